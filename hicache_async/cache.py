@@ -1,0 +1,137 @@
+"""The L1/L2 tier state machine: allocation with eviction, and the write/load ops it issues.
+
+Every decision here is a pure function of the tree and the pools, both of which change
+only through calls made in the same order on every rank, so ranks stay identical. Each
+decision is folded into `digest`, which the agreement compares across ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from .config import CacheConfig
+from .ops import AckQueue, CacheOp
+from .pool import DevicePool, HostPool
+from .radix import Match, Node, RadixTree
+from .transfer import Copier
+
+WRITE_ON_EVICT = ("write_back", "write_through_selective")
+
+
+class TieredCache:
+    def __init__(self, config: CacheConfig, device: DevicePool, host: HostPool) -> None:
+        self.config = config
+        self.device, self.host = device, host
+        self.tree = RadixTree(config.page_size)
+        self.copier = Copier(device, host)
+        self.writes = AckQueue("write")
+        self.loads = AckQueue("load")
+        self.digest = 0
+        self.on_write: list = []      # callbacks(op) when a write op is issued (tracing)
+        self.dropped_pages = 0
+
+    def note(self, *decision: object) -> None:
+        """Fold one cache decision into the running digest (62 bits, so -digest fits)."""
+        h = hashlib.blake2b(repr((self.digest, decision)).encode(), digest_size=8).digest()
+        self.digest = int.from_bytes(h, "little") >> 2
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def alloc_device(self, n: int) -> list[int] | None:
+        """`n` device pages, evicting LRU leaves; None if that is not possible this step."""
+        alloc = self.device.alloc
+        while alloc.free < n:
+            leaves = self.tree.device_leaves()
+            if not leaves:
+                return None
+            node = leaves[0]
+            if node.host is not None:
+                self.note("evict-device", node.id)
+                alloc.release(self.tree.evict_device(node))
+            elif self.config.write_policy in WRITE_ON_EVICT and self.write(node):
+                continue    # the node is locked until its write retires; try the next leaf
+            else:
+                self.note("drop", node.id)
+                self._drop(node)
+        self.note("alloc-device", n)
+        return alloc.alloc(n)
+
+    def alloc_host(self, n: int) -> list[int] | None:
+        alloc = self.host.alloc
+        while alloc.free < n:
+            leaves = self.tree.host_leaves()
+            if not leaves:
+                return None
+            self.note("evict-host", leaves[0].id)
+            self._drop(leaves[0])
+        self.note("alloc-host", n)
+        return alloc.alloc(n)
+
+    def _drop(self, node: Node) -> None:
+        device, host = self.tree.remove(node)
+        self.dropped_pages += len(device) + len(host)
+        self.device.alloc.release(device)
+        self.host.alloc.release(host)
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def write(self, node: Node) -> bool:
+        """Back a device node up to the host (L1 -> L2). False if the host has no room."""
+        pages = self.alloc_host(node.num_pages)
+        if pages is None:
+            return False
+        self.note("write", node.id, node.num_pages)
+        events = self.copier.write(node.device, pages)
+        node.host = pages
+        self.tree.lock_device(node)
+        self.tree.lock_host(node)
+        op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
+                     hashes=list(node.hashes), host_pages=list(pages))
+        self.writes.push(op)
+        for callback in self.on_write:
+            callback(op)
+        return True
+
+    def load(self, nodes: list[Node], device_pages: list[int]) -> CacheOp:
+        """Bring host-only nodes back to the device (L2 -> L1), layer by layer."""
+        host_pages = [p for n in nodes for p in n.host]
+        self.note("load", nodes[0].id, len(host_pages))
+        events = self.copier.load(host_pages, device_pages)
+        i = 0
+        for n in nodes:
+            n.device = device_pages[i: i + n.num_pages]
+            i += n.num_pages
+        self.tree.lock_device(nodes[-1])
+        self.tree.lock_host(nodes[-1])
+        op = CacheOp("load", nodes[-1], events, len(host_pages),
+                     len(host_pages) * self.host.layout.page_bytes)
+        self.loads.push(op)
+        return op
+
+    def release_op(self, op: CacheOp) -> None:
+        """Retire a write or load: its pages may be evicted again."""
+        self.tree.lock_device(op.node, -1)
+        self.tree.lock_host(op.node, -1)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> Match:
+        match = self.tree.match_prefix(tokens)
+        if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
+            match.host_nodes = []
+        if self.config.write_policy == "write_through_selective":
+            for node in match.device_nodes:
+                if node.hits >= 2 and node.host is None:
+                    self.write(node)
+        return match
+
+    def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
+        """Cache a finished sequence's full pages; returns the caller's pages to free."""
+        inserted = self.tree.insert(tokens, pages, hashes)
+        self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
+        if self.config.write_policy == "write_through":
+            for node in inserted.new_nodes:
+                self.write(node)
+        return inserted.duplicate_pages
+
+    def close(self) -> None:
+        self.copier.close()

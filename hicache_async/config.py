@@ -1,0 +1,45 @@
+"""Cache policies and knobs, validated once so bad values fail early with one line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+KEY_SCHEMES = ("rank-suffix", "unified")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    device_pages: int = 64
+    host_pages: int = 256
+    page_size: int = 16
+    write_policy: str = "write_through"
+    load_back_threshold: int = 1          # pages: shorter host hits are recomputed instead
+    prefetch_policy: str = "timeout"
+    prefetch_threshold: int = 256         # tokens: shorter L3 prefetches are not worth issuing
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_1k_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    key_scheme: str = "rank-suffix"
+    cp_transfer: str = "split"            # "split" or "rank0"
+    storage_workers: int = 2
+    sync_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("device_pages", "host_pages", "page_size", "load_back_threshold",
+                     "storage_workers"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.prefetch_threshold < 0:
+            raise UsageError(f"prefetch-threshold must be >= 0, got {self.prefetch_threshold}")
+        for name, allowed in (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
+                              ("key_scheme", KEY_SCHEMES), ("cp_transfer", ("split", "rank0"))):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"unknown {name.replace('_', '-')} {getattr(self, name)!r}: "
+                                 f"expected one of {', '.join(allowed)}")
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        return min(self.prefetch_timeout_max_s,
+                   self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * tokens / 1024)

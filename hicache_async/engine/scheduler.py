@@ -1,0 +1,80 @@
+"""The reference engine's event-driven scheduler loop, hosting one KV plugin.
+
+Each iteration: `await plugin.on_step()`, admit arrivals in FIFO order, run one batch
+(prefill for newly admitted requests, one decode token for the rest), finish requests.
+Every decision depends only on the workload and the plugin's state, so every rank
+builds the same batches.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from ..errors import PoolExhausted
+from ..plugin_api import EngineContext, KVPlugin
+from ..pool import DevicePool
+from ..request import Request
+from .model import SeqChunk, TinyModel
+from .workload import Workload
+
+IDLE_WAIT_S = 2e-4
+
+
+class Scheduler:
+    def __init__(self, model: TinyModel, plugin: KVPlugin, *, device_pages: int, page_size: int,
+                 run_id: str = "local") -> None:
+        self.model, self.plugin = model, plugin
+        layout = model.kv_layout(page_size)
+        self.pool = DevicePool(layout, device_pages)
+        plugin.attach(EngineContext(layout, self.pool, model.coords, run_id, model.groups))
+        self.forwards = 0
+
+    async def run(self, workload: Workload, on_finish: Callable[[Request], None] | None = None) -> None:
+        waiting: deque[Request] = deque()
+        running: list[Request] = []
+        plugin = self.plugin
+        while not workload.done:
+            await plugin.on_step()
+            waiting.extend(workload.arrivals())
+            admitted: list[Request] = []
+            while waiting and plugin.admit(waiting[0]):
+                admitted.append(waiting.popleft())
+            if not running and not admitted:
+                if waiting and not plugin.busy():
+                    raise PoolExhausted(f"request {waiting[0].id} cannot be admitted and nothing is in "
+                                        f"flight: the device pool ({self.pool.alloc.num_pages} pages) is too small")
+                await asyncio.sleep(IDLE_WAIT_S)   # let copy and storage workers make progress
+                continue
+            running += admitted
+            batch = [self._chunk(r) for r in running]
+            tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(running))
+            self.forwards += 1
+            still = []
+            for req, chunk, token in zip(running, batch, tokens):
+                req.kv_len = chunk.end
+                req.loads = []
+                req.output.append(token)
+                if len(req.output) >= req.max_new:
+                    plugin.finish(req)
+                    workload.complete(req)
+                    if on_finish is not None:
+                        on_finish(req)
+                else:
+                    still.append(req)
+            running = still
+
+    @staticmethod
+    def _chunk(req: Request) -> SeqChunk:
+        if not req.output:
+            return SeqChunk(req.prompt[req.kv_len:], req.kv_len, req.pages)
+        return SeqChunk([req.output[-1]], req.kv_len, req.pages)
+
+    def _layer_ready(self, running: list[Request]):
+        waiting = [r for r in running if r.loads]
+        if not waiting:
+            return None
+
+        async def ready(layer: int) -> None:
+            await self.plugin.layer_ready(waiting, layer)
+        return ready

@@ -1,0 +1,73 @@
+"""Completion events: `query()` never blocks, `wait()` is awaited with a timeout.
+
+Every transfer completes on one of these, on CPU and GPU alike, so the ack queues and
+the agreement run the same code whether or not CUDA is present.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from .errors import SyncTimeout
+
+_SPIN_S = 2e-4      # poll with bare yields this long before backing off
+_MAX_SLEEP_S = 1e-3
+
+
+class CompletionEvent:
+    """Base: subclasses say whether the work is done; waiting is shared."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    async def wait(self, timeout_s: float, what: str) -> None:
+        """Await completion without blocking the loop; raise SyncTimeout naming `what`."""
+        if self.query():
+            return
+        start = time.perf_counter()
+        delay = 0.0
+        while not self.query():
+            waited = time.perf_counter() - start
+            if waited > timeout_s:
+                raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s")
+            if waited > _SPIN_S:
+                delay = min(_MAX_SLEEP_S, max(delay * 2, 5e-5))
+            await asyncio.sleep(delay)
+
+
+class HostEvent(CompletionEvent):
+    """Set by a worker thread when a host-side copy or storage call finishes."""
+
+    __slots__ = ("_flag",)
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+
+class DoneEvent(CompletionEvent):
+    """Already complete: for ops that had nothing to move."""
+
+    def query(self) -> bool:
+        return True
+
+
+class CudaEvent(CompletionEvent):
+    """A `torch.cuda.Event` recorded on a copy stream after the op's kernels."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def query(self) -> bool:
+        return self._event.query()

@@ -1,0 +1,144 @@
+"""Storage keys: content hashes of token pages, and the schemes that turn them into object names.
+
+A key must say what the stored bytes are, or two ranks (or two models) collide in shared
+storage. Two schemes: `rank-suffix` (the anchor's: one object per page per rank, suffixed
+with the rank's coordinates) and `unified` (topology-free: the key names the layers and
+heads it holds, so writers and readers with different TP/PP share objects).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable
+
+from .errors import UsageError
+from .layout import KVLayout
+from .topology import RankCoords
+
+
+def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None) -> list[str]:
+    """Chained SHA-256 hex digest of each full page; a partial trailing page gets none.
+
+    Each digest covers the previous page's digest bytes (or `prior`'s) and the page's token
+    ids as 4-byte little-endian unsigned ints, so a page's key fixes its whole prefix.
+    Never Python's `hash()`: it is salted per process and would miss across processes.
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    try:
+        prev = bytes.fromhex(prior) if prior is not None else b""
+    except ValueError:
+        raise ValueError(f"prior must be a hex digest, got {prior!r}") from None
+    tokens = [int(t) for t in token_ids]
+    out = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = tokens[start:start + page_size]
+        try:
+            packed = struct.pack(f"<{page_size}I", *page)
+        except struct.error:
+            bad = next(t for t in page if not 0 <= t < 2**32)
+            raise ValueError(f"token id {bad} does not fit in 4 unsigned bytes") from None
+        prev = hashlib.sha256(prev + packed).digest()
+        out.append(prev.hex())
+    return out
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """One stored object: its key and the global layers and kv heads its payload holds."""
+
+    key: str
+    layers: range
+    heads: range
+
+
+class KeyScheme(ABC):
+    """Maps a page hash to the objects this rank reads (and, if `writes`, writes) for it."""
+
+    writes: bool      # False where another rank writes identical bytes (MLA, tp_rank > 0)
+    cp_shared: bool   # True when every CP rank names a page by the same keys
+
+    @abstractmethod
+    def objects(self, page_hash: str) -> list[ObjectSpec]:
+        """The objects of one page held by this rank, in a fixed order."""
+
+
+def _local_layers(layout: KVLayout) -> range:
+    return range(layout.first_layer, layout.first_layer + layout.num_layers)
+
+
+def _local_heads(layout: KVLayout) -> range:
+    return range(layout.first_head, layout.first_head + layout.kv_heads)
+
+
+class RankSuffixKeys(KeyScheme):
+    """One object per page with all of this rank's layers and heads, named by rank.
+
+    MHA/GQA: `_tp{r}` always (also at tp=1, so a default config still gives a valid key),
+    `_cp{r}` when cp > 1. MLA: the latent is replicated across TP and CP ranks, so the key
+    carries neither and only tp rank 0 writes; CP ranks then share keys and may split the
+    writing. `_pp{r}` whenever pp > 1, since stages hold different layers of one page.
+    """
+
+    def __init__(self, layout: KVLayout, coords: RankCoords = RankCoords()) -> None:
+        self.layout = layout
+        mla = layout.attention == "mla"
+        suffix = "" if mla else f"_tp{coords.tp_rank}"
+        if coords.pp_size > 1:
+            suffix += f"_pp{coords.pp_rank}"
+        if coords.cp_size > 1 and not mla:
+            suffix += f"_cp{coords.cp_rank}"
+        self._suffix = f"_{layout.namespace()}{suffix}"
+        self.writes = not mla or coords.tp_rank == 0
+        self.cp_shared = mla or coords.cp_size == 1
+        self._layers, self._heads = _local_layers(layout), _local_heads(layout)
+
+    def objects(self, page_hash: str) -> list[ObjectSpec]:
+        return [ObjectSpec(page_hash + self._suffix, self._layers, self._heads)]
+
+
+class UnifiedKeys(KeyScheme):
+    """Topology-free keys: one object per global layer and per group of `head_group` heads.
+
+    `{page_hash}_{namespace}_L{first}-{last}[_H{group}]`. Because objects are canonical, a
+    TP2 writer's objects are exactly the union of TP4 readers' (when `head_group` divides
+    every rank's heads) and a PP2 writer's the union of a PP1 reader's. The namespace folds
+    in `head_group`, so different groupings miss instead of misreading. MLA: no `_H`, and
+    only tp rank 0 writes (every TP rank holds the same latent).
+    """
+
+    def __init__(self, layout: KVLayout, coords: RankCoords = RankCoords(), head_group: int = 1) -> None:
+        mla = layout.attention == "mla"
+        if head_group < 1:
+            raise UsageError(f"head_group must be >= 1, got {head_group}")
+        if not mla and (layout.first_head % head_group or layout.kv_heads % head_group):
+            raise UsageError(f"head_group {head_group} does not divide this rank's kv heads "
+                             f"{layout.first_head}..{layout.last_head}")
+        group = "mla" if mla else str(head_group)
+        self._ns = hashlib.sha256(f"{layout.namespace()}|hg={group}".encode()).hexdigest()[:16]
+        self.writes = not mla or coords.tp_rank == 0
+        self.cp_shared = True
+        self._parts = []  # (suffix, layers, heads) per object of a page
+        for layer in _local_layers(layout):
+            if mla:
+                self._parts.append((f"_L{layer}-{layer}", range(layer, layer + 1), _local_heads(layout)))
+                continue
+            for h in range(layout.first_head, layout.last_head + 1, head_group):
+                self._parts.append((f"_L{layer}-{layer}_H{h // head_group}", range(layer, layer + 1),
+                                    range(h, h + head_group)))
+
+    def objects(self, page_hash: str) -> list[ObjectSpec]:
+        prefix = f"{page_hash}_{self._ns}"
+        return [ObjectSpec(prefix + suffix, layers, heads) for suffix, layers, heads in self._parts]
+
+
+def make_key_scheme(name: str, layout: KVLayout, coords: RankCoords = RankCoords(),
+                    head_group: int = 1) -> KeyScheme:
+    """The scheme behind `--key-scheme`."""
+    if name == "rank-suffix":
+        return RankSuffixKeys(layout, coords)
+    if name == "unified":
+        return UnifiedKeys(layout, coords, head_group)
+    raise UsageError(f"unknown key scheme {name!r}: expected rank-suffix or unified")

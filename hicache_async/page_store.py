@@ -1,0 +1,209 @@
+"""PageStore: the L3 facade the cache core calls to back up and prefetch host pages.
+
+It turns pages into verified storage objects through a key scheme and an adapter. It runs
+on worker threads, is safe to call from several at once, and never raises for a storage
+failure: outcomes and failures come back in the result and in `counters`.
+
+Context parallel: only *writes* are split. With keys shared by CP ranks (unified, or MLA)
+and cp_mode "split", each CP rank backs up its `cp_page_slice` of the batch; with
+per-CP-rank keys (rank-suffix MHA) each rank writes its own copy. cp_mode "rank0" leaves
+the writing to CP rank 0. Every CP rank *reads* all the pages it asks for, since each holds
+the full KV of its pages.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import StorageError, UsageError
+from .keys import KeyScheme, ObjectSpec
+from .layout import KVLayout
+from .partition import cp_page_slice
+from .pool import HostPool
+from .storage.base import MISSING, StorageAdapter
+from .storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
+from .topology import RankCoords
+
+CP_MODES = ("split", "rank0")
+PREFETCH_CHUNK_PAGES = 64  # pages per storage call; `cancel` is honoured between calls
+
+
+@dataclass
+class BackupResult:
+    ok: list[bool]        # per page: stored (or already present, or another rank's to write)
+    bytes: int = 0        # bytes this call wrote
+    errors: int = 0       # objects that failed to store, plus a failed existence probe
+    skipped: int = 0      # pages found already present
+
+
+@dataclass
+class PrefetchResult:
+    pages: int = 0        # leading pages read and verified into the host pages
+    bytes: int = 0
+    corrupt: int = 0      # objects that failed verification (treated as misses)
+    errors: int = 0       # failed storage calls
+
+
+@dataclass
+class StoreCounters:
+    """Cumulative over the store's life; updated under a lock, read freely."""
+
+    corrupt_objects: int = 0
+    storage_errors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
+class PageStore:
+    def __init__(self, adapter: StorageAdapter, layout: KVLayout, keys: KeyScheme,
+                 coords: RankCoords = RankCoords(), cp_mode: str = "split") -> None:
+        if cp_mode not in CP_MODES:
+            raise UsageError(f"unknown cp mode {cp_mode!r}: expected split or rank0")
+        self.adapter, self.layout, self.keys, self.coords = adapter, layout, keys, coords
+        self.cp_mode = cp_mode
+        self.namespace = layout.namespace()
+        self.counters = StoreCounters()
+        self._registered: dict[int, torch.Tensor] = {}
+        self._register_lock = threading.Lock()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _register(self, host: HostPool) -> None:
+        with self._register_lock:
+            if host.tensor.data_ptr() not in self._registered:
+                self.adapter.register_memory(_byte_view(host.tensor))
+                self._registered[host.tensor.data_ptr()] = host.tensor
+
+    def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
+        """The host-pool view of one object's payload (a view, maybe not contiguous)."""
+        l0, h0 = spec.layers.start - self.layout.first_layer, spec.heads.start - self.layout.first_head
+        return host.tensor[page, l0:l0 + len(spec.layers), :, :, h0:h0 + len(spec.heads), :]
+
+    def _write_pages(self, page_hashes: list[str]) -> range:
+        """Indices of the pages this rank writes."""
+        n, c = len(page_hashes), self.coords
+        if not self.keys.writes or (self.cp_mode == "rank0" and c.cp_rank != 0):
+            return range(0)
+        if self.cp_mode == "split" and self.keys.cp_shared and c.cp_size > 1:
+            return cp_page_slice(n, c.cp_rank, c.cp_size)
+        return range(n)
+
+    # -- L2 -> L3 ------------------------------------------------------------------------
+
+    def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int]) -> BackupResult:
+        """Store the given host pages under their hashes, skipping the leading run already stored."""
+        if len(page_hashes) != len(host_pages):
+            raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
+        result = BackupResult(ok=[True] * len(page_hashes))
+        mine = self._write_pages(page_hashes)
+        if not mine:
+            return result
+        specs = [self.keys.objects(page_hashes[i]) for i in mine]
+        try:
+            present = self.adapter.batch_exists([s.key for ss in specs for s in ss])
+        except StorageError:
+            present = 0
+            result.errors += 1
+        result.skipped = present // len(specs[0])
+        self._register(host)
+        keys, parts, owners, keep = [], [], [], []
+        for i, page_specs in zip(mine[result.skipped:], specs[result.skipped:]):
+            for spec in page_specs:
+                payload = self._slot(host, host_pages[i], spec).contiguous()
+                keep.append(payload)
+                data = _byte_view(payload)
+                keys.append(spec.key)
+                parts.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])
+                owners.append(i)
+        try:
+            stored = self.adapter.batch_set_parts(keys, parts) if keys else []
+        except StorageError:
+            stored = [False] * len(keys)
+        for i, ok, ps in zip(owners, stored, parts):
+            if ok:
+                result.bytes += HEADER_BYTES + ps[1].nbytes
+            else:
+                result.ok[i] = False
+                result.errors += 1
+        self.counters.add(bytes_written=result.bytes, storage_errors=result.errors)
+        return result
+
+    # -- L3 -> L2 ------------------------------------------------------------------------
+
+    def prefetch(self, page_hashes: list[str], host: HostPool, host_pages: list[int],
+                 cancel: threading.Event | None = None) -> PrefetchResult:
+        """Read the leading run of stored pages into `host_pages`; stop at the first gap or bad object."""
+        if len(page_hashes) != len(host_pages):
+            raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
+        result = PrefetchResult()
+        if not page_hashes:
+            return result
+        specs = [self.keys.objects(h) for h in page_hashes]
+        try:
+            present = self.adapter.batch_exists([s.key for ss in specs for s in ss]) // len(specs[0])
+        except StorageError:
+            present = 0
+            result.errors += 1
+        if present:
+            self._register(host)
+        for start in range(0, present, PREFETCH_CHUNK_PAGES):
+            if cancel is not None and cancel.is_set():
+                break
+            stop = min(start + PREFETCH_CHUNK_PAGES, present)
+            good = self._read_chunk(specs[start:stop], host, host_pages[start:stop], result)
+            result.pages += good
+            if good < stop - start:
+                break
+        self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt,
+                          storage_errors=result.errors)
+        return result
+
+    def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, host_pages: list[int],
+                    result: PrefetchResult) -> int:
+        """Read and verify a run of pages; the number of leading pages that are good."""
+        headers = memoryview(bytearray(HEADER_BYTES * sum(map(len, specs))))
+        keys, parts, jobs = [], [], []
+        for page, page_specs in zip(host_pages, specs):
+            for spec in page_specs:
+                slot = self._slot(host, page, spec)
+                target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
+                header = headers[HEADER_BYTES * len(keys):HEADER_BYTES * (len(keys) + 1)]
+                keys.append(spec.key)
+                parts.append([header, _byte_view(target)])
+                jobs.append((spec, slot, target))
+        try:
+            got = self.adapter.batch_get_parts(keys, parts)
+        except StorageError:
+            result.errors += 1
+            return 0
+        sizes = []  # bytes of each leading verified object
+        for n, (header, data), (spec, slot, target) in zip(got, parts, jobs):
+            if n == MISSING:
+                break
+            try:
+                if n != HEADER_BYTES + data.nbytes:
+                    raise CorruptObject(f"object {spec.key}: read {n} bytes")
+                verify(spec.key, spec, self.namespace, header, data)
+            except CorruptObject:
+                result.corrupt += 1
+                break
+            if target is not slot:
+                slot.copy_(target)
+            sizes.append(n)
+        good = len(sizes) // len(specs[0])
+        result.bytes += sum(sizes[:good * len(specs[0])])
+        return good

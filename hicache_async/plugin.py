@@ -1,0 +1,224 @@
+"""HiCachePlugin: the scheduler-facing side of the tiered cache.
+
+The scheduler calls `admit`, `layer_ready`, `finish` and, once per iteration, `on_step`.
+Ops are issued synchronously from those calls; their completion is only acted on in
+`on_step`, after every rank agreed how many of each queue to retire.
+"""
+from __future__ import annotations
+
+import time
+
+from . import telemetry
+from .agreement import BACKUP, LOAD, PAGES, PREFETCH, WRITE, LocalAgreement, pack
+from .cache import TieredCache
+from .config import CacheConfig
+from .errors import PoolExhausted
+from .keys import make_key_scheme, page_hashes
+from .ops import TIERS, CacheOp
+from .page_store import PageStore
+from .plugin_api import EngineContext, KVPlugin
+from .pool import HostPool
+from .request import Request
+from .storage_tier import StorageTier
+
+
+class HiCachePlugin(KVPlugin):
+    def __init__(self, config: CacheConfig | None = None, storage=None, storage_name: str = "none",
+                 agreement=None) -> None:
+        self.config = config or CacheConfig()
+        self.storage, self.storage_name = storage, storage_name
+        self.agreement = agreement or LocalAgreement()
+        self.step = 0
+        self.step_us: list[float] = []
+        self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
+                      "tokens_from_l3": 0, "tokens_computed": 0}
+        self.transfers = {kind: 0 for kind in TIERS}
+        self.metrics = telemetry.CacheMetrics()
+        self._prefetching: dict[int, Request] = {}
+        self._step_span = None
+
+    def attach(self, engine: EngineContext) -> None:
+        self.engine = engine
+        cfg = self.config
+        if engine.layout.page_size != cfg.page_size:
+            raise ValueError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
+        self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages))
+        self.cache.on_write.append(lambda op: self._trace_issue(op, []))
+        self.l3 = None
+        if self.storage is not None:
+            keys = make_key_scheme(cfg.key_scheme, engine.layout, engine.coords)
+            store = PageStore(self.storage, engine.layout, keys, engine.coords, cp_mode=cfg.cp_transfer)
+            self.l3 = StorageTier(self.cache, store, cfg)
+
+    # -- admission and completion ------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        if req.prefetch is not None:
+            req.prefetch.wanted = True
+            return False
+        cache, ps = self.cache, self.config.page_size
+        need = req.pages_needed(ps)
+        if need > self.config.device_pages:
+            raise PoolExhausted(f"request {req.id} needs {need} device pages but --device-pages is "
+                                f"{self.config.device_pages}")
+        tokens = req.prompt[:-1]       # the last prompt token is always computed, for its logits
+        match = cache.match(tokens)
+        cached_pages = (match.device_tokens + match.host_tokens) // ps
+        if self.l3 is not None and not req.prefetched:
+            req.prefetched = True
+            if self._start_prefetch(req, tokens, match, cached_pages):
+                return False
+        lock = match.last_node
+        cache.tree.lock_device(lock)
+        cache.tree.lock_host(lock)     # the host hits must survive the evictions below
+        fresh = cache.alloc_device(need - len(match.device_pages))
+        cache.tree.lock_host(lock, -1)
+        if fresh is None:
+            cache.tree.lock_device(lock, -1)
+            return False
+        host_tokens = match.host_tokens
+        if match.host_nodes:
+            load = cache.load(match.host_nodes, fresh[: host_tokens // ps])
+            req.loads = [load]
+            self._trace_issue(load, [req.id])
+            l3_tokens = sum(n.num_pages for n in match.host_nodes if n.fetched) * ps
+            for n in match.host_nodes:
+                n.fetched = False
+            self._count("tokens_from_l3", l3_tokens)
+            self._count("tokens_from_l2", host_tokens - l3_tokens)
+        req.pages = match.device_pages + fresh
+        req.cached = req.kv_len = match.device_tokens + host_tokens
+        req.lock = lock
+        self._count("tokens_from_l1", match.device_tokens)
+        self._count("tokens_computed", len(req.prompt) - req.cached)
+        self.stats["prompt_tokens"] += len(req.prompt)
+        return True
+
+    def _start_prefetch(self, req: Request, tokens: list[int], match, cached_pages: int) -> bool:
+        ps = self.config.page_size
+        full = len(tokens) // ps
+        if (full - cached_pages) * ps < max(self.config.prefetch_threshold, ps):
+            return False
+        hashes = page_hashes(tokens[: full * ps], ps)
+        op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes)
+        if op is None:
+            return False
+        req.prefetch = op
+        self._prefetching[req.id] = req
+        self._trace_issue(op, [req.id])
+        return True
+
+    async def layer_ready(self, reqs: list[Request], layer: int) -> None:
+        for req in reqs:
+            for op in req.loads:
+                event = op.events[layer]
+                if not event.query():
+                    await event.wait(self.config.sync_timeout_s,
+                                     f"{self.engine.coords.label()}: load of layer {layer}")
+
+    def finish(self, req: Request) -> None:
+        ps = self.config.page_size
+        full = req.kv_len // ps
+        tokens = req.kv_tokens[: full * ps]
+        duplicates = self.cache.insert(tokens, req.pages[:full], page_hashes(tokens, ps))
+        self.cache.device.alloc.release(duplicates + req.pages[full:])
+        self.cache.tree.lock_device(req.lock, -1)
+        req.pages, req.loads, req.lock = [], [], None
+
+    def busy(self) -> bool:
+        return any(len(q) for q in self._queues())
+
+    def _queues(self):
+        l3 = self.l3
+        return (self.cache.writes, self.cache.loads,
+                l3.backups if l3 else (), l3.prefetches if l3 else ())
+
+    # -- the per-step hook ----------------------------------------------------------------
+
+    async def on_step(self) -> None:
+        start = time.perf_counter()
+        self.step += 1
+        if isinstance(self.agreement, LocalAgreement) and not self.busy():
+            self.step_us.append((time.perf_counter() - start) * 1e6)
+            return
+        self._begin_step_span()
+        self.agreement.reap()
+        writes, loads, backups, prefetches = self._queues()
+        n_prefetch, prefetch_pages = self.l3.prefetch_view() if self.l3 else (0, [])
+        msg = pack((writes.ready(), loads.ready(), backups.ready() if self.l3 else 0, n_prefetch),
+                   prefetch_pages, self.cache.digest)
+        with telemetry.pp_sync_span(self.engine.coords) as span:
+            agreed = await self.agreement.agree(msg, self.step, prefetch_pending=bool(self.l3 and len(prefetches)))
+            if span.is_recording():
+                span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed.tolist()})
+        await self._retire(agreed.tolist())
+        self.step_us.append((time.perf_counter() - start) * 1e6)
+
+    async def _retire(self, agreed: list[int]) -> None:
+        cache, l3 = self.cache, self.l3
+        for op in cache.writes.retire(agreed[WRITE]):
+            await self._settle(op)
+            cache.release_op(op)
+            if l3 is not None:
+                self._trace_issue(l3.backup(op), [])
+        for op in cache.loads.retire(agreed[LOAD]):
+            await self._settle(op)
+            cache.release_op(op)
+        if l3 is None:
+            return
+        for op in l3.backups.retire(agreed[BACKUP]):
+            await self._settle(op)
+            l3.retire_backup(op)
+        for i, op in enumerate(l3.prefetches.retire(agreed[PREFETCH])):
+            if not op.done.query():
+                op.cancel.set()      # the policy terminated it: stop the worker, keep what all have
+            await self._settle(op)
+            pages = l3.retire_prefetch(op, agreed[PAGES + i])
+            self._prefetching.pop(op.request_id).prefetch = None
+            op.nbytes = pages * cache.host.layout.page_bytes
+
+    async def _settle(self, op: CacheOp) -> None:
+        """A later stage may retire an op before its own copy finished: await it."""
+        if not op.done.query():
+            await op.done.wait(self.config.sync_timeout_s,
+                               f"{self.engine.coords.label()}: {op.kind} op at step {self.step}")
+        self.transfers[op.kind] += 1
+        error = op.result if isinstance(getattr(op, "result", None), Exception) else None
+        self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
+        if op.span is not None:
+            telemetry.finish_transfer(op.span, error=error,
+                                      attrs={"hicache.retired_step": self.step})
+
+    # -- telemetry ----------------------------------------------------------------------
+
+    def _begin_step_span(self) -> None:
+        if self._step_span is not None:
+            self._step_span.end()
+        self._step_span = telemetry.begin_step(self.engine.run_id, self.step, self.engine.coords)
+
+    def _trace_issue(self, op: CacheOp, request_ids: list[int]) -> None:
+        src, dst = TIERS[op.kind]
+        links = [telemetry.request_link(self.engine.run_id, r) for r in request_ids]
+        op.span = telemetry.start_transfer(
+            op.kind, src=src, dst=dst, pages=op.pages, nbytes=op.nbytes, coords=self.engine.coords,
+            key_scheme=self.config.key_scheme if op.kind in ("backup", "prefetch") else None,
+            links=links, parent=self._step_span)
+
+    def _count(self, stat: str, n: int) -> None:
+        self.stats[stat] += n
+        if n:
+            self.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
+
+    def report(self) -> dict:
+        return {**self.stats, "transfers": dict(self.transfers), "steps": self.step,
+                "storage_errors": self.l3.errors if self.l3 else 0,
+                "dropped_pages": self.cache.dropped_pages, "step_us": self.step_us}
+
+    def close(self) -> None:
+        if self._step_span is not None:
+            self._step_span.end()
+            self._step_span = None
+        if self.l3 is not None:
+            self.l3.close()
+        self.cache.close()
+        self.agreement.close()

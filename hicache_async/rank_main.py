@@ -1,0 +1,58 @@
+"""What one simulated rank runs: the reference engine with the HiCache plugin on a workload."""
+from __future__ import annotations
+
+import dataclasses
+
+from .agreement import LocalAgreement
+from .config import CacheConfig
+from .engine.model import ModelConfig, TinyModel
+from .engine.scheduler import Scheduler
+from .engine.workload import Workload, WorkloadSpec
+from .plugin import HiCachePlugin
+from .pp_sync import PipelineAgreement
+from .storage.base import open_storage
+
+
+def specs_from(payload: dict) -> tuple[ModelConfig, CacheConfig, WorkloadSpec]:
+    spec = dict(payload["workload"])
+    spec["user_len"] = tuple(spec["user_len"])
+    return ModelConfig(**payload["model"]), CacheConfig(**payload["cache"]), WorkloadSpec(**spec)
+
+
+def payload_of(model: ModelConfig, cache: CacheConfig, workload: WorkloadSpec, storage: dict | None) -> dict:
+    return {"model": dataclasses.asdict(model), "cache": dataclasses.asdict(cache),
+            "workload": dataclasses.asdict(workload), "storage": storage}
+
+
+async def run_rank(ctx) -> dict:
+    model_cfg, cache_cfg, spec = specs_from(ctx.payload)
+    storage_spec = ctx.payload.get("storage")
+    storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
+    agreement = (LocalAgreement() if ctx.coords.world_size == 1
+                 else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
+    plugin = HiCachePlugin(cache_cfg, storage, storage_spec["name"] if storage_spec else "none", agreement)
+    model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None)
+    scheduler = Scheduler(model, plugin, device_pages=cache_cfg.device_pages,
+                          page_size=cache_cfg.page_size, run_id=ctx.run_id)
+    workload = Workload(spec)
+    done = [0]
+
+    def progress(_req) -> None:
+        done[0] += 1
+        if ctx.coords.rank == 0:
+            ctx.progress({"requests_done": done[0]})
+
+    try:
+        await scheduler.run(workload, progress)
+        # Drain: keep stepping until every in-flight op retired, identically on every rank.
+        while plugin.busy():
+            await plugin.on_step()
+    finally:
+        plugin.close()
+        if storage is not None:
+            storage.close()
+    report = plugin.report()
+    report["outputs"] = {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
+    report["forwards"] = scheduler.forwards
+    report["pending_sends"] = agreement.pending_sends
+    return report

@@ -1,0 +1,128 @@
+"""`hicache-async simulate`: the multi-turn workload on simulated ranks, checked against a
+cache-less single-rank run of the same engine."""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from .config import CacheConfig
+from .engine.model import ModelConfig
+from .engine.workload import WorkloadSpec
+from .errors import HiCacheError, UsageError
+from .ranks.launcher import launch
+from .rank_main import payload_of
+from .reference import reference_outputs
+from .topology import check_topology
+
+TIERS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
+
+
+@dataclass
+class SimulateArgs:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    attention: str = "mha"
+    storage: str = "file"
+    storage_path: str | None = None
+    mooncake_master: str | None = None
+    requests: int = 48
+    seed: int = 0
+    timeout_s: float = 60.0
+    trace_file: str | None = None
+
+
+def default_storage_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hicache-async", "kv")
+
+
+def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
+    check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
+                   attention=model.attention)
+    if spec.max_prompt() // cache.page_size + 1 > cache.device_pages:
+        raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
+                         f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
+    with _storage(args) as storage:
+        payload = payload_of(model, cache, spec, storage)
+        payload["trace_file"] = args.trace_file
+        run_id = uuid.uuid4().hex[:16]
+        started = time.perf_counter()
+        with tqdm(total=spec.requests, desc=f"simulate tp{args.tp} pp{args.pp} cp{args.cp}",
+                  unit="req", file=sys.stderr, disable=None) as bar:
+            reports = launch(tp=args.tp, pp=args.pp, cp=args.cp, target="hicache_async.rank_main:run_rank",
+                             payload=payload, timeout_s=args.timeout_s, run_id=run_id,
+                             on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
+        cached_s = time.perf_counter() - started
+    reference = reference_outputs(model, spec, cache.page_size)
+    return summarize(args, reports, reference, run_id, cached_s)
+
+
+@contextlib.contextmanager
+def _storage(args: SimulateArgs):
+    """The storage spec every rank opens; starts a Mooncake master when none is given."""
+    if args.storage == "none":
+        yield None
+    elif args.storage == "memory":
+        yield {"name": "memory", "options": {}}
+    elif args.storage == "file":
+        yield {"name": "file", "options": {"path": args.storage_path or default_storage_path()}}
+    elif args.storage == "mooncake":
+        if args.mooncake_master:
+            yield {"name": "mooncake", "options": {"master": args.mooncake_master}}
+            return
+        try:
+            from hicache_mooncake.master import MooncakeMaster
+        except ImportError as exc:
+            raise HiCacheError(f"--storage mooncake needs the mooncake extra: {exc}") from None
+        with MooncakeMaster() as master:
+            yield {"name": "mooncake", "options": {"master": master.address,
+                                                    "metadata_url": master.metadata_url}}
+    else:
+        raise UsageError(f"unknown --storage {args.storage!r}: expected memory, file, mooncake or none")
+
+
+def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float) -> dict:
+    first = reports[0]
+    ranks_agree = all(r["outputs"] == first["outputs"] for r in reports)
+    step_us = sorted(us for r in reports for us in r["step_us"])
+    pct = (lambda q: round(statistics.quantiles(step_us, n=100)[q - 1], 1)) if len(step_us) > 1 else (lambda q: 0.0)
+    out = {
+        "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
+        "attention": args.attention, "storage": args.storage, "run_id": run_id,
+        "requests": len(first["outputs"]), "prompt_tokens": first["prompt_tokens"],
+        **{k: first[k] for k in TIERS},
+        "outputs_match_reference": ranks_agree and first["outputs"] == reference,
+        "ranks_agree": ranks_agree,
+        "steps": first["steps"], "forwards": first["forwards"],
+        "on_step_us_p50": pct(50), "on_step_us_p99": pct(99),
+        "transfers": first["transfers"],
+        "storage_errors": sum(r["storage_errors"] for r in reports),
+        "dropped_pages": first["dropped_pages"],
+        "max_pending_sends": max(r["pending_sends"] for r in reports),
+        "seconds": round(seconds, 2),
+    }
+    total = max(1, out["prompt_tokens"])
+    out["tiers"] = {k.removeprefix("tokens_").removeprefix("from_"): {
+        "tokens": out[k], "share": round(out[k] / total, 4)} for k in TIERS}
+    return out
+
+
+def print_summary(result: dict, file=sys.stdout) -> None:
+    tiers = result["tiers"]
+    print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
+          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}", file=file)
+    print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
+        f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
+    print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}", file=file)
+    print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
+          f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)
+    verdict = "yes" if result["outputs_match_reference"] else "NO"
+    print(f"  outputs match the cache-less reference: {verdict}", file=file)

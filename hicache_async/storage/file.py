@@ -1,0 +1,161 @@
+"""Embedded L3: one file per object under a directory that several processes may share.
+
+Writes go to a temp file that is renamed into place, so a reader sees a whole object or
+none. There is no fsync: a torn object after power loss fails its checksum and is a miss.
+Recency is the file's mtime (bumped on every read), so eviction is least-recently-used
+across every process sharing the directory, not just this one.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import StorageError
+from .base import MISSING, WRONG_SIZE, StorageAdapter
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_MAX_NAME = 200
+_LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
+_STALE_TEMP_S = 3600
+
+
+def object_name(key: str) -> str:
+    """File name for `key`: every byte outside [A-Za-z0-9_-] is %XX-escaped.
+
+    So `/`, `.`, `..` and NUL cannot leave the directory or name a special entry. Names
+    that would be too long become `~` + SHA-256 of the key (escaping never yields `~`).
+    """
+    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode())
+    if not name or len(name) > _MAX_NAME:
+        return "~" + hashlib.sha256(key.encode()).hexdigest()
+    return name
+
+
+class FileStorage(StorageAdapter):
+    def __init__(self, path: str, capacity_bytes: int = 8 << 30, **_options) -> None:
+        if capacity_bytes <= 0:
+            raise StorageError(f"file storage capacity must be positive, got {capacity_bytes}")
+        self.root = Path(path).expanduser()
+        self.capacity_bytes = capacity_bytes
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"file storage {self.root}: cannot create directory: {e.strerror}") from None
+        self._lock = threading.Lock()
+        self._used = self._scan(remove_stale=True)[1]
+
+    def _path(self, key: str) -> Path:
+        name = object_name(key)
+        return self.root / name[:2] / name
+
+    def _scan(self, remove_stale: bool = False) -> tuple[list[tuple[float, int, str]], int]:
+        """(mtime, size, path) of every object, oldest first, and their total size."""
+        entries, now = [], time.time()
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                p = os.path.join(dirpath, f)
+                try:
+                    st = os.stat(p)
+                except FileNotFoundError:
+                    continue
+                if f.startswith("."):
+                    if remove_stale and now - st.st_mtime > _STALE_TEMP_S:
+                        _unlink(p)
+                    continue
+                entries.append((st.st_mtime, st.st_size, p))
+        entries.sort()
+        return entries, sum(e[1] for e in entries)
+
+    def _evict(self) -> None:
+        """Delete least-recently-used objects until usage is under the low watermark."""
+        entries, used = self._scan()
+        target = self.capacity_bytes * _LOW_WATERMARK
+        for _, size, p in entries:
+            if used <= target:
+                break
+            _unlink(p)
+            used -= size
+        self._used = used
+
+    def batch_exists(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and self._path(keys[n]).is_file():
+            n += 1
+        return n
+
+    def batch_set(self, keys: list[str], values: list) -> list[bool]:
+        return self.batch_set_parts(keys, [[v] for v in values])
+
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence]) -> list[bool]:
+        return [self._write(key, [memoryview(p).cast("B") for p in ps]) for key, ps in zip(keys, parts)]
+
+    def _write(self, key: str, parts: list[memoryview]) -> bool:
+        size = sum(p.nbytes for p in parts)
+        if size > self.capacity_bytes:
+            return False
+        path = self._path(key)
+        tmp = path.parent / f".{uuid.uuid4().hex}.tmp"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for p in parts:
+                    while p.nbytes:
+                        p = p[os.write(fd, p):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            raise StorageError(f"file storage {self.root}: cannot write {key}: {e.strerror}") from None
+        with self._lock:
+            self._used += size
+            if self._used > self.capacity_bytes:
+                self._evict()
+        return True
+
+    def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
+        return [self._read(key, [memoryview(b).cast("B")], exact=False) for key, b in zip(keys, buffers)]
+
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[int]:
+        return [self._read(key, [memoryview(p).cast("B") for p in ps], exact=True)
+                for key, ps in zip(keys, parts)]
+
+    def _read(self, key: str, parts: list[memoryview], exact: bool) -> int:
+        path = self._path(key)
+        room = sum(p.nbytes for p in parts)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return MISSING
+        except OSError as e:
+            raise StorageError(f"file storage {self.root}: cannot open {key}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > room or (exact and size != room):
+                return WRONG_SIZE
+            got = os.readv(fd, parts)
+        except OSError as e:
+            raise StorageError(f"file storage {self.root}: cannot read {key}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            os.utime(path)  # recency for LRU eviction
+        except OSError:
+            pass
+        return got if got == size else WRONG_SIZE
+
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes its own files."""
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
