@@ -88,11 +88,12 @@ def _protocol(signal: str) -> str:
     return value
 
 
+_OTLP = "opentelemetry.exporter.otlp.proto"
 _EXPORTERS = {
-    ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
-    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
-    ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
-    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("traces", "http/protobuf"): (f"{_OTLP}.http.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "grpc"): (f"{_OTLP}.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("metrics", "http/protobuf"): (f"{_OTLP}.http.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "grpc"): (f"{_OTLP}.grpc.metric_exporter", "OTLPMetricExporter"),
 }
 
 

@@ -120,11 +120,12 @@ class PageStore:
             result.errors += 1
         result.skipped = present // len(specs[0])
         self._register(host)
-        keys, parts, owners, keep = [], [], [], []
+        keys, parts, owners = [], [], []
+        alive = []  # payload tensors whose byte views are in `parts`
         for i, page_specs in zip(mine[result.skipped:], specs[result.skipped:]):
             for spec in page_specs:
                 payload = self._slot(host, host_pages[i], spec).contiguous()
-                keep.append(payload)
+                alive.append(payload)
                 data = _byte_view(payload)
                 keys.append(spec.key)
                 parts.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])

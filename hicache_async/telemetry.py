@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
-from opentelemetry.trace import (INVALID_SPAN, Link, NonRecordingSpan, NoOpTracerProvider, ProxyTracerProvider,
-                                 Span, SpanContext, Status, StatusCode, TraceFlags)
+from opentelemetry.trace import (INVALID_SPAN, Link, NonRecordingSpan, NoOpTracerProvider,
+                                 ProxyTracerProvider, Span, SpanContext, Status, StatusCode, TraceFlags)
 
 from .topology import RankCoords
 
@@ -68,26 +68,49 @@ def _under(parent: SpanContext) -> otel_context.Context:
     return trace.set_span_in_context(NonRecordingSpan(parent))
 
 
+def _in(parent: Span | None) -> otel_context.Context | None:
+    """Context under `parent`, or None for the current one. Worker threads and async code that
+    keeps the step span open across awaits pass the parent explicitly."""
+    if parent is None or not parent.get_span_context().is_valid:
+        return None
+    return trace.set_span_in_context(parent)
+
+
+def begin_step(run_id: str, step: int, coords: RankCoords) -> Span:
+    """Start (not as current) `hicache.step`, covering one whole scheduler iteration.
+
+    The caller ends it when the next step begins, so transfers issued during admission and
+    after the forward pass nest under the step they were issued in. Without an SDK this is
+    `INVALID_SPAN`, whose `end()` does nothing.
+    """
+    if not tracing_enabled():
+        return INVALID_SPAN
+    span = _tracer.start_span(STEP, context=_under(step_context(run_id, step)))
+    if span.is_recording():
+        span.set_attributes({"hicache.run_id": run_id, "hicache.step": step, **coords.attributes()})
+    return span
+
+
 @contextmanager
 def step_span(run_id: str, step: int, coords: RankCoords) -> Iterator[Span]:
     """`hicache.step` as the current span, in the trace every rank shares for this step."""
-    if not tracing_enabled():
-        yield INVALID_SPAN
+    span = begin_step(run_id, step, coords)
+    if span is INVALID_SPAN:
+        yield span
         return
-    with _tracer.start_as_current_span(STEP, context=_under(step_context(run_id, step))) as span:
-        if span.is_recording():
-            span.set_attributes({"hicache.run_id": run_id, "hicache.step": step, **coords.attributes()})
+    with trace.use_span(span, end_on_exit=True):
         yield span
 
 
 @contextmanager
-def request_span(run_id: str, request_id: int, coords: RankCoords,
+def request_span(run_id: str, request_id: int, coords: RankCoords, *, step: Span | None = None,
                  attrs: Mapping[str, object] | None = None) -> Iterator[Span]:
-    """`hicache.request` (e.g. admission) in the request's own trace, linked to the current step."""
+    """`hicache.request` (e.g. admission) in the request's own trace, linked to `step`
+    (default: the current span)."""
     if not tracing_enabled():
         yield INVALID_SPAN
         return
-    current = trace.get_current_span().get_span_context()
+    current = (step or trace.get_current_span()).get_span_context()
     links = [Link(current)] if current.is_valid else None
     with _tracer.start_as_current_span(REQUEST, context=_under(request_context(run_id, request_id)),
                                        links=links) as span:
@@ -98,12 +121,12 @@ def request_span(run_id: str, request_id: int, coords: RankCoords,
 
 
 @contextmanager
-def pp_sync_span(coords: RankCoords) -> Iterator[Span]:
+def pp_sync_span(coords: RankCoords, *, parent: Span | None = None) -> Iterator[Span]:
     """`hicache.pp_sync`: the per-step agreement; set the agreed counts on the yielded span."""
     if not tracing_enabled():
         yield INVALID_SPAN
         return
-    with _tracer.start_as_current_span(PP_SYNC) as span:
+    with _tracer.start_as_current_span(PP_SYNC, context=_in(parent)) as span:
         if span.is_recording():
             span.set_attributes(coords.attributes())
         yield span
@@ -112,16 +135,12 @@ def pp_sync_span(coords: RankCoords) -> Iterator[Span]:
 def start_transfer(kind: str, *, src: str, dst: str, pages: int, nbytes: int, coords: RankCoords,
                    key_scheme: str | None = None, links: list[Link] | None = None,
                    attrs: Mapping[str, object] | None = None, parent: Span | None = None) -> Span:
-    """Start (not as current) `hicache.transfer.<kind>` under `parent` or the current span.
-
-    Pass `parent` from worker threads, where the loop's current span is not visible.
-    """
+    """Start (not as current) `hicache.transfer.<kind>` under `parent` or the current span."""
     if kind not in TRANSFER_KINDS:
         raise ValueError(f"unknown transfer kind {kind!r}: expected one of {', '.join(TRANSFER_KINDS)}")
     if not tracing_enabled():
         return INVALID_SPAN
-    ctx = trace.set_span_in_context(parent) if parent is not None else None
-    span = _tracer.start_span(f"hicache.transfer.{kind}", context=ctx, links=links)
+    span = _tracer.start_span(f"hicache.transfer.{kind}", context=_in(parent), links=links)
     if span.is_recording():
         span.set_attributes({"hicache.transfer.kind": kind, "hicache.tier.src": src,
                              "hicache.tier.dst": dst, "hicache.pages": pages, "hicache.bytes": nbytes,
@@ -145,14 +164,15 @@ def finish_transfer(span: Span, *, result: str = "ok", error: BaseException | No
 
 
 @contextmanager
-def storage_span(op: str, *, keys: int, coords: RankCoords, backend: str) -> Iterator[Span]:
+def storage_span(op: str, *, keys: int, coords: RankCoords, backend: str,
+                 parent: Span | None = None) -> Iterator[Span]:
     """`hicache.storage.<op>` around one storage batch call; exceptions are recorded and re-raised."""
     if op not in STORAGE_OPS:
         raise ValueError(f"unknown storage op {op!r}: expected one of {', '.join(STORAGE_OPS)}")
     if not tracing_enabled():
         yield INVALID_SPAN
         return
-    with _tracer.start_as_current_span(f"hicache.storage.{op}") as span:
+    with _tracer.start_as_current_span(f"hicache.storage.{op}", context=_in(parent)) as span:
         if span.is_recording():
             span.set_attributes({"hicache.storage.backend": backend, "hicache.storage.keys": keys,
                                  **coords.attributes()})
@@ -191,16 +211,3 @@ class CacheMetrics:
     def queue_depth(self, kind: str, depth: int) -> None:
         self._queue_depth.set(depth, {"hicache.transfer.kind": kind})
 
-
-def begin_step(run_id: str, step: int, coords: RankCoords) -> Span | None:
-    """Start (not as current) `hicache.step`, covering one whole scheduler iteration.
-
-    The caller ends it when the next step begins, so transfers issued during admission and
-    after the forward pass nest under the step they were issued in.
-    """
-    if not tracing_enabled():
-        return None
-    span = _tracer.start_span(STEP, context=_under(step_context(run_id, step)))
-    if span.is_recording():
-        span.set_attributes({"hicache.run_id": run_id, "hicache.step": step, **coords.attributes()})
-    return span

@@ -47,10 +47,12 @@ class ModelConfig:
         if self.attention not in ("mha", "mla"):
             raise UsageError(f"unknown attention {self.attention!r}: expected mha or mla")
         if self.q_heads % self.kv_heads:
-            raise UsageError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
+            raise UsageError(f"q_heads {self.q_heads} is not a multiple of "
+                             f"kv_heads {self.kv_heads}")
         for name in ("head_dim", "mla_rope_dim"):
             if getattr(self, name) % 2:
-                raise UsageError(f"{name} must be even for rotary embeddings, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be even for rotary embeddings, "
+                                 f"got {getattr(self, name)}")
 
     @property
     def model_id(self) -> str:
@@ -89,7 +91,8 @@ class TinyModel:
         check_topology(coords.tp_size, coords.pp_size, coords.cp_size, num_layers=cfg.layers,
                        kv_heads=cfg.kv_heads, attention=cfg.attention)
         if cfg.q_heads % coords.tp_size:
-            raise UsageError(f"--tp {coords.tp_size} does not divide the model's {cfg.q_heads} query heads")
+            raise UsageError(f"--tp {coords.tp_size} does not divide the model's "
+                             f"{cfg.q_heads} query heads")
         self.layers = split_range(cfg.layers, coords.pp_size, coords.pp_rank)
         self.kv_heads = (split_range(cfg.kv_heads, coords.tp_size, coords.tp_rank)
                          if cfg.attention == "mha" else range(1))
@@ -115,7 +118,7 @@ class TinyModel:
         """Run the new tokens, store their KV, return each sequence's greedy next token.
 
         The result is identical on every rank: the last stage decides, then broadcasts.
-        Waits on other stages are awaited; TP/CP collectives inside a layer block briefly.
+        Waits on other stages are awaited; TP/CP collectives inside a layer block (briefly).
         """
         logits = await self.last_logits(batch, kv, layer_ready)
         tokens = torch.zeros(len(batch), dtype=torch.int64)
@@ -123,7 +126,8 @@ class TinyModel:
             tokens = logits.argmax(dim=-1)
         world = self.groups.world if self.groups is not None else None
         if _size(world) > 1:
-            work = dist.broadcast(tokens, src=self.groups.last_stage_root, group=world, async_op=True)
+            work = dist.broadcast(tokens, src=self.groups.last_stage_root, group=world,
+                                  async_op=True)
             await wait_work(work, what="next-token broadcast", coords=self.coords,
                             timeout_s=self.timeout_s)
         return tokens.tolist()
@@ -135,6 +139,9 @@ class TinyModel:
         self._check(batch, kv)
         positions = torch.cat([torch.arange(s.start, s.end) for s in batch])
         total = len(positions)
+        ends = torch.tensor([len(s.tokens) for s in batch]).cumsum(0).tolist()
+        spans = [(torch.tensor(s.pages), range(end - len(s.tokens), end))
+                 for s, end in zip(batch, ends)]
         rows = split_range(total, self._cp_size, self._cp_index)
         if self.first_stage:
             hidden = self.embed[torch.tensor([t for s in batch for t in s.tokens])]
@@ -147,28 +154,29 @@ class TinyModel:
         for i, w in enumerate(self.weights):
             if layer_ready is not None:
                 await layer_ready(i)
-            h = h + self._attention(kv[i], w, _rms_norm(h), batch, positions, rows)
+            h = h + self._attention(kv[i], w, _rms_norm(h), spans, positions, rows)
             x = _rms_norm(h)
             h = h + (F.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
         hidden = self._cp_gather(h, total)
         if not self.last_stage:
-            dist.send(hidden, dst=self.groups.next_stage, tag=ACTIVATION_TAG)
+            work = dist.isend(hidden, dst=self.groups.next_stage, tag=ACTIVATION_TAG)
+            await wait_work(work, what="activations to the next stage", coords=self.coords,
+                            timeout_s=self.timeout_s, spin_s=0.0)
             return None
-        last_rows = torch.tensor([len(s.tokens) for s in batch]).cumsum(0) - 1
-        return _rms_norm(hidden[last_rows]) @ self.head
+        return _rms_norm(hidden[[end - 1 for end in ends]]) @ self.head
 
     def _attention(self, kv_layer: torch.Tensor, w: LayerWeights, x: torch.Tensor,
-                   batch: list[SeqChunk], positions: torch.Tensor, rows: range) -> torch.Tensor:
-        """Attention output of this rank's rows, after the row-parallel projection and TP sum."""
+                   spans: list[tuple[torch.Tensor, range]], positions: torch.Tensor,
+                   rows: range) -> torch.Tensor:
+        """Attention output of this rank's rows, after the row-parallel projection and TP sum.
+
+        `spans` gives each sequence's page ids and its rows in the batch; every new row's KV
+        is stored (gathered over CP) before any is read.
+        """
         q, new_kv = project(self.cfg, w, x, positions[rows.start:rows.stop])
         new_kv = self._cp_gather(new_kv.to(kv_layer.dtype), len(positions))
-        spans, offset = [], 0
-        for seq in batch:
-            pages = torch.tensor(seq.pages)
-            span = range(offset, offset + len(seq.tokens))
+        for pages, span in spans:
             write_kv(kv_layer, pages, positions[span.start:span.stop], new_kv[span.start:span.stop])
-            spans.append((pages, span))
-            offset = span.stop
         out = torch.zeros(len(rows), q.shape[1] * self.cfg.head_dim, dtype=DTYPE)
         for pages, span in spans:
             lo, hi = max(span.start, rows.start), min(span.stop, rows.stop)
@@ -216,7 +224,8 @@ class TinyModel:
                 raise UsageError(f"sequence chunk needs tokens and start >= 0, got "
                                  f"{len(seq.tokens)} tokens at start {seq.start}")
             if len(seq.pages) * page_size < seq.end:
-                raise UsageError(f"{len(seq.pages)} pages of {page_size} cannot hold {seq.end} tokens")
+                raise UsageError(f"{len(seq.pages)} pages of {page_size} cannot hold "
+                                 f"{seq.end} tokens")
             bad = [t for t in seq.tokens if not 0 <= t < self.cfg.vocab]
             if bad:
                 raise UsageError(f"token id {bad[0]} outside the vocabulary of {self.cfg.vocab}")

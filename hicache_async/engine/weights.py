@@ -61,7 +61,8 @@ def layer_weights(cfg: ModelConfig, layer: int, q_heads: range, kv_heads: range)
         wq = _matrix(gen, h, cfg.q_heads * d)
         wk = _matrix(gen, h, cfg.kv_heads * d)
         wv = _matrix(gen, h, cfg.kv_heads * d)
-        attn = dict(wq=_heads(wq, d, q_heads), wk=_heads(wk, d, kv_heads), wv=_heads(wv, d, kv_heads))
+        attn = dict(wq=_heads(wq, d, q_heads), wk=_heads(wk, d, kv_heads),
+                    wv=_heads(wv, d, kv_heads))
     else:
         wq = _matrix(gen, h, cfg.q_heads * (d + cfg.mla_rope_dim))
         attn = dict(

@@ -1,0 +1,90 @@
+"""Ack queues retire in FIFO order; copies complete per layer; eviction respects locks."""
+import asyncio
+
+import pytest
+import torch
+
+from hicache_async.cache import TieredCache
+from hicache_async.config import CacheConfig
+from hicache_async.errors import PoolExhausted, SyncTimeout
+from hicache_async.events import HostEvent
+from hicache_async.layout import KVLayout
+from hicache_async.ops import AckQueue, CacheOp
+from hicache_async.pool import DevicePool, HostPool, PageAllocator
+from hicache_async.transfer import Copier
+
+LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
+
+
+def _op(event):
+    return CacheOp("write", None, [event], 1, 0)
+
+
+def test_only_the_leading_completed_run_is_ready():
+    queue = AckQueue("write")
+    events = [HostEvent() for _ in range(4)]
+    ops = [_op(e) for e in events]
+    for op in ops:
+        queue.push(op)
+    events[1].set()
+    events[3].set()
+    assert queue.ready() == 0          # op 0 is not done: nothing behind it may retire
+    events[0].set()
+    assert queue.ready() == 2
+    assert queue.retire(2) == ops[:2]
+    assert queue.ready() == 0
+    events[2].set()
+    assert queue.retire(queue.ready()) == ops[2:]
+    with pytest.raises(AssertionError):
+        queue.retire(1)
+
+
+async def test_event_wait_times_out_with_the_operation_named():
+    with pytest.raises(SyncTimeout, match="load of layer 2"):
+        await HostEvent().wait(0.05, "load of layer 2")
+    event = HostEvent()
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    await event.wait(1.0, "x")
+    assert event.query()
+
+
+def test_copier_round_trips_pages_layer_by_layer():
+    device, host = DevicePool(LAYOUT, 8), HostPool(LAYOUT, 8)
+    device.tensor.copy_(torch.randn_like(device.tensor))
+    copier = Copier(device, host)
+    events = copier.write([5, 2], [0, 7])
+    assert len(events) == LAYOUT.num_layers
+    asyncio.run(events[-1].wait(5, "write"))
+    assert torch.equal(host.tensor[0], device.tensor[:, 5]) and torch.equal(host.tensor[7], device.tensor[:, 2])
+    events = copier.load([0, 7], [1, 3])
+    asyncio.run(events[-1].wait(5, "load"))
+    assert all(e.query() for e in events)
+    assert torch.equal(device.tensor[:, 1], device.tensor[:, 5]) and torch.equal(device.tensor[:, 3], device.tensor[:, 2])
+    copier.close()
+
+
+def test_allocator_says_which_tier_ran_out():
+    alloc = PageAllocator(3, "host")
+    alloc.alloc(2)
+    with pytest.raises(PoolExhausted, match="host pool exhausted: need 2 pages, 1 free of 3"):
+        alloc.alloc(2)
+
+
+def test_eviction_under_pressure_spares_locked_pages():
+    cfg = CacheConfig(device_pages=6, host_pages=6, page_size=4, write_policy="write_through")
+    cache = TieredCache(cfg, DevicePool(LAYOUT, 6), HostPool(LAYOUT, 6))
+    tokens_a, tokens_b = list(range(8)), list(range(100, 108))
+    pages_a, pages_b = cache.alloc_device(2), cache.alloc_device(2)
+    cache.insert(tokens_a, pages_a, ["a0", "a1"])
+    cache.insert(tokens_b, pages_b, ["b0", "b1"])
+    locked = cache.match(tokens_a).last_node
+    cache.tree.lock_device(locked)
+    assert cache.alloc_device(4) is None          # b is still being written: nothing to evict yet
+    for op in cache.writes.retire(2):
+        asyncio.run(op.done.wait(5, "write"))
+        cache.release_op(op)
+    got = cache.alloc_device(4)
+    assert got is not None and sorted(got[:2]) == sorted(pages_b)
+    assert cache.match(tokens_a).device_pages == pages_a     # locked: still on the device
+    assert cache.match(tokens_b).host_tokens == 8            # evicted to the host, not lost
+    cache.close()
