@@ -38,12 +38,13 @@ def main() -> None:
 
     with step_span(run_id, step=0, coords=coords):
         # One transfer serves two requests that share this prefix: link it to both.
-        span = start_transfer("write", src="l1", dst="l2", pages=len(src), nbytes=len(src) * layout.page_bytes,
-                              coords=coords, links=[request_link(run_id, 1), request_link(run_id, 2)])
+        nbytes = len(src) * layout.page_bytes
+        span = start_transfer("write", src="l1", dst="l2", pages=len(src), nbytes=nbytes, coords=coords,
+                              links=[request_link(run_id, 1), request_link(run_id, 2)])
         started = time.perf_counter()
         host.tensor[dst] = device.tensor[:, src].transpose(0, 1)  # layer-major -> page-major
         finish_transfer(span)
-        metrics.transfer("write", len(src) * layout.page_bytes, time.perf_counter() - started)
+        metrics.transfer("write", nbytes, time.perf_counter() - started)
         log.info("pages written to host", pages=len(src))
     assert torch.equal(host.tensor[dst[0], 1], device.tensor[1, src[0]])
     telemetry.shutdown()

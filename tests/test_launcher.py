@@ -190,15 +190,16 @@ def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     script.write_text(textwrap.dedent(LAUNCHER_SCRIPT.format(tests=str(TESTS_DIR))))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    pids: list[int] = []
+    text = ""
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + 60
-        while len(pids) < 2 and sel.select(max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline()
-            if not line:
+        while text.count("PID") < 2 and sel.select(max(0.0, deadline - time.monotonic())):
+            chunk = os.read(proc.stdout.fileno(), 4096).decode()
+            if not chunk:
                 break
-            pids.append(int(line.split()[1]))
+            text += chunk
+    pids = [int(line.split()[1]) for line in text.splitlines() if line.startswith("PID")]
     if len(pids) < 2:
         proc.kill()
         pytest.fail(f"launcher did not start its ranks: {proc.communicate(timeout=10)}")

@@ -68,6 +68,7 @@ async def test_chunked_paged_prefill_matches_one_shot(attention):
     halves, kv_halves = await _run(model, prompt, [9, 23], pages)
     singles, _ = await _run(model, prompt, list(range(1, 24)), _shuffled_pages(3))
     assert whole == halves == singles
+    assert len(set(whole)) > 1
     for layer in range(kv_whole.shape[0]):
         a = read_kv(kv_whole[layer], torch.arange(16), 23)
         b = read_kv(kv_halves[layer], torch.tensor(pages), 23)
@@ -145,11 +146,13 @@ def test_weights_split_like_one_rank():
 def test_kv_layout_names_rank_slice():
     mha = TinyModel(ModelConfig(), RankCoords(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2))
     layout = mha.kv_layout(8)
-    assert (layout.first_layer, layout.num_layers, layout.first_head, layout.kv_heads) == (2, 2, 1, 1)
+    assert (layout.first_layer, layout.num_layers) == (2, 2)
+    assert (layout.first_head, layout.kv_heads) == (1, 1)
     assert (layout.total_layers, layout.total_kv_heads, layout.planes) == (4, 2, 2)
     mla = TinyModel(ModelConfig(attention="mla"), RankCoords(tp_rank=1, tp_size=2)).kv_layout(8)
     assert (mla.kv_heads, mla.head_dim, mla.planes, mla.first_head) == (1, 40, 1, 0)
-    assert mla.namespace() != TinyModel(ModelConfig(attention="mla", seed=1)).kv_layout(8).namespace()
+    other_seed = TinyModel(ModelConfig(attention="mla", seed=1)).kv_layout(8)
+    assert mla.namespace() != other_seed.namespace()
 
 
 async def test_bad_inputs_raise_one_line_usage_errors():

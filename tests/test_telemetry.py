@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+import structlog
 from otlp_receiver import OTLPReceiver, otlp_receiver  # noqa: F401 (fixture)
 
 from hicache_async.errors import UsageError
@@ -22,9 +24,9 @@ RANK = r"""
 import json, sys, threading
 from hicache_async.errors import StorageError
 from hicache_async.observability import setup_telemetry
-from hicache_async.telemetry import (CacheMetrics, finish_transfer, pp_sync_span, request_link,
-                                     request_span, start_transfer, step_span, storage_span,
-                                     tracing_enabled)
+from hicache_async.telemetry import (CacheMetrics, begin_step, finish_transfer, pp_sync_span,
+                                     request_link, request_span, start_transfer, step_span,
+                                     storage_span, tracing_enabled)
 from hicache_async.topology import RankCoords
 
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
@@ -53,6 +55,13 @@ with step_span("run-A", 7, coords) as step:
     metrics.tokens("l3", 48)
     metrics.transfer("backup", 3 * 4096, 0.01)
     metrics.queue_depth("write", 2)
+# The plugin's way: the step span stays open across awaits without being current.
+step8 = begin_step("run-A", 8, coords)
+with pp_sync_span(coords, parent=step8):
+    pass
+with request_span("run-A", 12, coords, step=step8):
+    pass
+step8.end()
 ctx = step.get_span_context()
 tel.shutdown()
 print(json.dumps({"enabled": tracing_enabled(), "step_span_id": format(ctx.span_id, "016x")}))
@@ -72,16 +81,19 @@ def run_ranks(env: dict[str, str], ranks=(0, 1), timeout: float = 60) -> list[di
     return outs
 
 
-def by_rank(spans) -> dict:
-    return {s.resource["parallel.rank"]: s for s in spans}
+def by_rank(spans, **attrs) -> dict:
+    """Spans keyed by the rank that sent them, keeping those whose attributes include `attrs`."""
+    picked = {s.resource["parallel.rank"]: s for s in spans if s.attributes.items() >= attrs.items()}
+    assert len(picked) == len([s for s in spans if s.attributes.items() >= attrs.items()])
+    return picked
 
 
 def test_two_ranks_share_the_step_trace_over_otlp_http(otlp_receiver):
     outs = run_ranks({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_SERVICE_NAME": "sim"})
     assert all(o["enabled"] for o in outs)
-    otlp_receiver.wait_for(lambda r: len(r.spans_named("hicache.step")) == 2, timeout=10)
+    otlp_receiver.wait_for(lambda r: len(r.spans_named("hicache.step")) == 4, timeout=10)
 
-    steps = by_rank(otlp_receiver.spans_named("hicache.step"))
+    steps = by_rank(otlp_receiver.spans_named("hicache.step"), **{"hicache.step": 7})
     shared = step_context(RUN, 7)
     assert set(steps) == {0, 1}
     for rank, step in steps.items():
@@ -118,14 +130,23 @@ def test_two_ranks_share_the_step_trace_over_otlp_http(otlp_receiver):
         assert span.status_code == 2 and "exception" in span.events
         assert span.attributes["hicache.storage.keys"] == 3
 
-    for rank, span in by_rank(otlp_receiver.spans_named("hicache.pp_sync")).items():
+    agreed = {"hicache.agreed_ops": 2}
+    for rank, span in by_rank(otlp_receiver.spans_named("hicache.pp_sync"), **agreed).items():
         assert span.parent_span_id == steps[rank].span_id
-        assert span.attributes["hicache.agreed_ops"] == 2
 
-    request = request_context(RUN, 11)
-    for rank, span in by_rank(otlp_receiver.spans_named("hicache.request")).items():
-        assert span.trace_id == format(request.trace_id, "032x")
-        assert [ln.span_id for ln in span.links] == [steps[rank].span_id]
+    later = by_rank(otlp_receiver.spans_named("hicache.step"), **{"hicache.step": 8})
+    assert len({s.trace_id for s in later.values()}) == 1
+    assert later[0].trace_id == format(step_context(RUN, 8).trace_id, "032x")
+    syncs = {s.parent_span_id for s in otlp_receiver.spans_named("hicache.pp_sync")}
+    assert {s.span_id for s in later.values()} <= syncs
+
+    for request_id, step in ((11, steps), (12, later)):
+        request = request_context(RUN, request_id)
+        spans = [s for s in otlp_receiver.spans_named("hicache.request")
+                 if s.attributes["hicache.request_id"] == request_id]
+        for rank, span in by_rank(spans).items():
+            assert span.trace_id == format(request.trace_id, "032x")
+            assert [ln.span_id for ln in span.links] == [step[rank].span_id]
 
     otlp_receiver.wait_for(lambda r: {m.name for m in r.metrics} >= {"hicache.tokens.served"}, timeout=10)
     tokens = [m for m in otlp_receiver.metrics if m.name == "hicache.tokens.served"]
@@ -163,6 +184,18 @@ def test_shutdown_is_bounded_when_the_collector_is_down():
     assert time.monotonic() - start < 12
 
 
+@pytest.fixture
+def restore_logging():
+    """setup_telemetry configures logging before it validates exporters: undo it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("restore_logging")
 @pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
 def test_unsupported_protocol_is_a_usage_error_naming_it(monkeypatch, var):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")

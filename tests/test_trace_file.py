@@ -97,7 +97,8 @@ def test_merged_file_keeps_every_rank(parts, tmp_path):
     assert merge_trace_files([str(p) for p in paths] + [str(folder / "missing.json")], str(merged)) == 4
     spans = spans_of(load(merged))
     steps = {int(res["parallel.rank"].int_value): s for res, s in spans if s.name == "hicache.step"}
-    assert {r: s.span_id.hex() for r, s in steps.items()} == {r: e["hicache.step"] for r, e in enumerate(emitted)}
+    assert {r: s.span_id.hex() for r, s in steps.items()} == {
+        r: e["hicache.step"] for r, e in enumerate(emitted)}
     assert steps[0].trace_id == steps[1].trace_id
     assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []
 

@@ -43,10 +43,11 @@ class MooncakeMaster:
     """Context manager owning one master process; `restart()` brings it back on the same ports."""
 
     def __init__(self, host: str = "127.0.0.1", rpc_port: int = 0, http_port: int = 0,
-                 start_timeout_s: float = 30.0, log_path: str | None = None) -> None:
+                 metrics_port: int = 0, start_timeout_s: float = 30.0, log_path: str | None = None) -> None:
         self.host = host
         self.rpc_port = rpc_port or free_port(host)
         self.http_port = http_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)  # its default, 9003, clashes between masters
         self.start_timeout_s = start_timeout_s
         self.log_path = log_path
         self._proc: subprocess.Popen | None = None
@@ -66,7 +67,8 @@ class MooncakeMaster:
             self._proc = subprocess.Popen(
                 [find_master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.rpc_port}",
                  "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
-                 f"--http_metadata_server_port={self.http_port}"],
+                 f"--http_metadata_server_port={self.http_port}",
+                 f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}"],
                 stdout=log, stderr=subprocess.STDOUT)
         finally:
             if log is not subprocess.DEVNULL:

@@ -1,0 +1,146 @@
+"""L3 bandwidth figures: PageStore over an adapter, against raw I/O of the same bytes in the same run.
+
+The baseline moves exactly the page bytes with nothing else (no header, checksum or key
+logic), so the ratio is what the object format and the facade cost. Each figure is the
+best of a few interleaved repetitions, to keep a noisy 2-core machine from deciding it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..errors import HiCacheError
+from ..keys import make_key_scheme, page_hashes
+from ..layout import KVLayout
+from ..page_store import PageStore
+from ..pool import HostPool
+from ..storage.file import FileStorage
+
+# 512 KiB pages: 32 layers x K,V x 16 tokens x 4 kv heads x 64 dims, fp16.
+LAYOUT = KVLayout(num_layers=32, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float16,
+                  model_id="bench-512k")
+
+
+def _gbps(nbytes: int, run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def _figure(name: str, value: float, baseline_name: str, baseline: float) -> dict:
+    return {"name": name, "value": round(value, 3), "unit": "GB/s", "baseline_name": baseline_name,
+            "baseline_value": round(baseline, 3), "ratio": round(value / baseline, 3)}
+
+
+def _skipped(name: str, baseline_name: str, reason: str) -> dict:
+    return {"name": name, "value": None, "unit": "GB/s", "baseline_name": baseline_name,
+            "baseline_value": None, "ratio": None, "skipped": reason}
+
+
+def _workload(pages: int, reps: int):
+    host = HostPool(LAYOUT, pages)
+    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(0)))
+    batches = [page_hashes(range(r * pages * 16, (r + 1) * pages * 16), LAYOUT.page_size) for r in range(reps)]
+    return host, HostPool(LAYOUT, pages), batches
+
+
+def _compare(store: PageStore, host, reader, batches, raw_put, raw_get, pages: int) -> tuple[float, ...]:
+    """Best (store backup, raw put, store prefetch, raw get) GB/s; raw_put(r)/raw_get(r) move rep r.
+
+    Raw and store runs alternate, so drift on a busy machine hits both sides alike.
+    """
+    slots, nbytes = list(range(pages)), pages * LAYOUT.page_bytes
+    b_store = b_raw = p_store = p_raw = 0.0
+    for r, hashes in enumerate(batches):
+        b_raw = max(b_raw, _gbps(nbytes, lambda: raw_put(r)))
+        results = []
+        b_store = max(b_store, _gbps(nbytes, lambda: results.append(store.backup(hashes, host, slots))))
+        if results[0].ok != [True] * pages or results[0].skipped:
+            raise RuntimeError(f"bench backup did not write every page: {results[0]}")
+    for r, hashes in enumerate(batches):
+        p_raw = max(p_raw, _gbps(nbytes, lambda: raw_get(r)))
+        results = []
+        p_store = max(p_store, _gbps(nbytes, lambda: results.append(store.prefetch(hashes, reader, slots))))
+        if results[0].pages != pages or not torch.equal(reader.tensor, host.tensor):
+            raise RuntimeError(f"bench prefetch read {results[0]} or wrong bytes")
+    return b_store, b_raw, p_store, p_raw
+
+
+def _file_figures(pages: int, reps: int) -> list[dict]:
+    host, reader, batches = _workload(pages, reps)
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-") as root:
+        raw_dir = os.path.join(root, "raw")
+        os.mkdir(raw_dir)
+        store = PageStore(FileStorage(os.path.join(root, "store")), LAYOUT,
+                          make_key_scheme("rank-suffix", LAYOUT))
+        views = [host.page_bytes(p) for p in range(pages)]
+        into = [reader.page_bytes(p) for p in range(pages)]
+
+        def raw_put(r: int) -> None:
+            for p, view in enumerate(views):
+                with open(os.path.join(raw_dir, f"{r}-{p}"), "wb") as f:
+                    f.write(view)
+
+        def raw_get(r: int) -> None:
+            for p, view in enumerate(into):
+                with open(os.path.join(raw_dir, f"{r}-{p}"), "rb") as f:
+                    f.readinto(view)
+
+        bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages)
+    return [_figure("file_backup_gbps", bs, "raw_file_write_gbps", br),
+            _figure("file_prefetch_gbps", ps, "raw_file_read_gbps", pr)]
+
+
+def _mooncake_figures(pages: int, reps: int) -> list[dict]:
+    from hicache_mooncake import MooncakeMaster, MooncakeStorage
+
+    host, reader, batches = _workload(pages, reps)
+    segment = 2 * reps * pages * (LAYOUT.page_bytes + 4096) + (64 << 20)
+    with MooncakeMaster() as master:
+        adapter = MooncakeStorage(master.address, master.metadata_url, segment_bytes=segment,
+                                  buffer_bytes=32 << 20)
+        try:
+            store = PageStore(adapter, LAYOUT, make_key_scheme("rank-suffix", LAYOUT))
+            client = adapter._store  # the raw baseline drives the very same client
+            size = LAYOUT.page_bytes
+            ptrs = [host.page_ptr(p) for p in range(pages)]
+            into = [reader.page_ptr(p) for p in range(pages)]
+            for pool in (host, reader):
+                client.register_buffer(pool.tensor.data_ptr(), pool.tensor.numel() * pool.tensor.element_size())
+
+            def raw_put(r: int) -> None:
+                codes = client.batch_put_from([f"raw-{r}-{p}" for p in range(pages)], ptrs, [size] * pages)
+                if any(c < 0 for c in codes):
+                    raise RuntimeError(f"raw batch_put_from failed with codes {set(codes)}")
+
+            def raw_get(r: int) -> None:
+                codes = client.batch_get_into([f"raw-{r}-{p}" for p in range(pages)], into, [size] * pages)
+                if any(c != size for c in codes):
+                    raise RuntimeError(f"raw batch_get_into failed with codes {set(codes)}")
+
+            bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages)
+        finally:
+            adapter.close()
+    return [_figure("mooncake_backup_gbps", bs, "raw_batch_put_from_gbps", br),
+            _figure("mooncake_prefetch_gbps", ps, "raw_batch_get_into_gbps", pr)]
+
+
+def storage_figures(quick: bool = False) -> list[dict]:
+    """File and Mooncake backup/prefetch bandwidth beside raw I/O of the same pages.
+
+    64 MiB per repetition (16 MiB when quick). Mooncake figures carry `skipped` and no
+    values when the mooncake extra or its master is unavailable.
+    """
+    pages, reps = (32, 2) if quick else (128, 3)
+    figures = _file_figures(pages, reps)
+    try:
+        figures += _mooncake_figures(pages, reps)
+    except (ImportError, OSError, HiCacheError) as e:
+        reason = f"mooncake unavailable: {e}"
+        figures += [_skipped("mooncake_backup_gbps", "raw_batch_put_from_gbps", reason),
+                    _skipped("mooncake_prefetch_gbps", "raw_batch_get_into_gbps", reason)]
+    return figures

@@ -1,0 +1,141 @@
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from hicache_async.errors import StorageError, UsageError
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.layout import KVLayout
+from hicache_async.page_store import PageStore
+from hicache_async.pool import HostPool
+from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.storage.file import FileStorage, object_name
+
+
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _get(fs, key, size=64):
+    buf = memoryview(bytearray(size))
+    n = fs.batch_get([key], [buf])[0]
+    return bytes(buf[:n]) if n >= 0 else n
+
+
+def test_round_trip_leading_run_and_sizes(tmp_path):
+    fs = open_storage("file", path=str(tmp_path))
+    assert fs.batch_set(["a", "b", "d"], [b"one", b"two", b"four"]) == [True] * 3
+    assert fs.batch_exists(["a", "b", "c", "d"]) == 2
+    assert _get(fs, "d") == b"four"
+    assert _get(fs, "c") == MISSING
+    assert _get(fs, "d", size=2) == WRONG_SIZE
+
+
+def test_write_is_atomic_rename_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    fs = FileStorage(str(tmp_path))
+    fs.batch_set(["k"], [b"old" * 100])
+    real_write = os.write
+    calls = []
+
+    def failing_write(fd, data):
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    with pytest.raises(StorageError, match="cannot write k: No space left"):
+        fs.batch_set_parts(["k"], [[memoryview(b"new" * 50), memoryview(b"new" * 50)]])
+    monkeypatch.undo()
+    assert _get(fs, "k", 300) == b"old" * 100          # the old object is whole
+    assert [os.path.basename(f) for f in _files(tmp_path)] == ["k"]  # no temp file left
+
+
+def test_readers_never_see_a_partial_object(tmp_path):
+    fs = FileStorage(str(tmp_path))
+    versions = [bytes([v]) * 200_000 for v in range(4)]
+    fs.batch_set(["k"], [versions[0]])
+    stop, seen = threading.Event(), set()
+
+    def reader():
+        while not stop.is_set():
+            seen.add(_get(fs, "k", 200_000))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(40):
+        fs.batch_set(["k"], [versions[i % 4]])
+    stop.set()
+    t.join(timeout=30)
+    assert seen <= set(versions)
+
+
+@pytest.mark.parametrize("key", ["../escape", "/etc/passwd", "a/../../b", "..", ".", "nul\0byte", "x" * 300, "é%"])
+def test_hostile_keys_stay_inside_the_directory(tmp_path, key):
+    root = tmp_path / "store"
+    fs = FileStorage(str(root))
+    assert fs.batch_set([key], [b"payload"]) == [True]
+    assert _get(fs, key) == b"payload"
+    assert all(f.startswith(str(root) + os.sep) for f in _files(tmp_path))
+    name = object_name(key)
+    assert "/" not in name and "\0" not in name and name not in (".", "..") and len(name) <= 200
+
+
+def test_distinct_keys_get_distinct_names():
+    keys = ["a/b", "a%2Fb", "a.b", "a%2Eb", "..", "%2E%2E"]
+    assert len({object_name(k) for k in keys}) == len(keys)
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    fs = FileStorage(str(tmp_path), capacity_bytes=10_000)
+    fs.batch_set(["k0"], [bytes(1000)])
+    os.utime(tmp_path / "k0" / "k0", (1, 1))  # make k0 the oldest...
+    for i in range(1, 9):
+        fs.batch_set([f"k{i}"], [bytes(1000)])
+        os.utime(tmp_path / f"k{i}"[:2] / f"k{i}", (10 + i, 10 + i))
+    assert _get(fs, "k0", 1000) == bytes(1000)  # ...then read it, which makes it the newest
+    for i in range(9, 15):
+        fs.batch_set([f"k{i}"], [bytes(1000)])
+    total = sum(os.path.getsize(f) for f in _files(tmp_path))
+    assert total <= 10_000
+    assert fs.batch_exists(["k0", "k14", "k13"]) == 3
+    assert fs.batch_exists(["k1"]) == 0
+    assert fs.batch_set(["huge"], [bytes(20_000)]) == [False]
+
+
+def test_two_processes_share_one_directory(tmp_path):
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+    code = f"""
+import torch
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.layout import KVLayout
+from hicache_async.page_store import PageStore
+from hicache_async.pool import HostPool
+from hicache_async.storage import open_storage
+layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+host = HostPool(layout, 3)
+host.tensor.copy_(torch.arange(host.tensor.numel(), dtype=torch.float32).view(host.tensor.shape))
+store = PageStore(open_storage("file", path={str(tmp_path)!r}), layout, make_key_scheme("unified", layout))
+assert store.backup(page_hashes(range(12), 4), host, [0, 1, 2]).ok == [True] * 3
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    host = HostPool(layout, 3)
+    store = PageStore(FileStorage(str(tmp_path)), layout, make_key_scheme("unified", layout))
+    assert store.prefetch(page_hashes(range(12), 4), host, [2, 1, 0]).pages == 3
+    expected = torch.arange(host.tensor.numel(), dtype=torch.float32).view(host.tensor.shape)
+    assert torch.equal(host.tensor, expected.flip(0))
+
+
+def test_unreadable_directory_is_a_storage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError, match="cannot create directory"):
+        FileStorage(str(blocker / "sub"))
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(UsageError, match=r"'nope'.*file, memory, mooncake"):
+        open_storage("nope")

@@ -1,0 +1,105 @@
+"""Against a real mooncake_master started on free loopback ports (see mooncake_fixture)."""
+import time
+
+import pytest
+import torch
+
+from hicache_async.errors import StorageError
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.page_store import PageStore
+from hicache_async.pool import HostPool
+from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.storage.objects import HEADER_BYTES, encode_header
+from hicache_async.topology import RankCoords
+from hicache_mooncake import MooncakeMaster, MooncakeStorage
+from hicache_mooncake.master import free_port
+from mooncake_fixture import mooncake_master, mooncake_storage  # noqa: F401  (fixtures)
+from test_keys import rank_layout
+
+LAYOUT = rank_layout(RankCoords())
+
+
+def _host(pages=8, seed=0):
+    host = HostPool(LAYOUT, pages)
+    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return host
+
+
+@pytest.mark.parametrize("scheme,head_group,first_token", [("rank-suffix", 1, 0), ("unified", 1, 100),
+                                                           ("unified", 2, 200)])
+def test_round_trip_through_page_store(mooncake_storage, scheme, head_group, first_token):
+    hashes = page_hashes(range(first_token, first_token + 32), 4)
+    store = PageStore(mooncake_storage, LAYOUT, make_key_scheme(scheme, LAYOUT, RankCoords(), head_group))
+    host = _host()
+    assert store.backup(hashes, host, list(range(8))).ok == [True] * 8
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(hashes, reader, list(range(7, -1, -1)))
+    assert (got.pages, got.corrupt, got.errors) == (8, 0, 0)
+    assert torch.equal(reader.tensor.flip(0), host.tensor)
+    assert store.counters.bytes_read == store.counters.bytes_written == got.bytes
+
+
+def test_exists_is_the_leading_run_and_get_reports_misses(mooncake_storage):
+    assert mooncake_storage.batch_set(["lr-a", "lr-b", "lr-d"], [b"A" * 10, b"B" * 10, b"D" * 10]) == [True] * 3
+    assert mooncake_storage.batch_exists(["lr-a", "lr-b", "lr-c", "lr-d"]) == 2
+    bufs = [memoryview(bytearray(10)), memoryview(bytearray(10)), memoryview(bytearray(4))]
+    assert mooncake_storage.batch_get(["lr-a", "lr-c", "lr-d"], bufs) == [10, MISSING, WRONG_SIZE]
+    assert bytes(bufs[0]) == b"A" * 10
+    assert mooncake_storage.batch_set(["lr-a"], [b"A" * 10]) == [True]   # already there: fine
+
+
+def test_opened_by_name(mooncake_master):
+    with open_storage("mooncake", master=mooncake_master.address, metadata_url=mooncake_master.metadata_url,
+                      segment_bytes=16 << 20, buffer_bytes=16 << 20) as adapter:
+        assert isinstance(adapter, MooncakeStorage)
+        assert adapter.batch_exists(["never-stored"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_object_is_a_miss_and_counted(mooncake_storage, damage):
+    store = PageStore(mooncake_storage, LAYOUT, make_key_scheme("rank-suffix", LAYOUT, RankCoords()))
+    h = page_hashes([7, 8, 9, 10 if damage == "flip" else 11], 4)
+    spec = store.keys.objects(h[0])[0]
+    payload = bytearray(_host().page_bytes(0))
+    blob = bytearray(encode_header(spec.key, spec, LAYOUT.namespace(), payload)) + payload
+    if damage == "flip":
+        blob[HEADER_BYTES + 100] ^= 0x40
+    else:
+        del blob[-16:]
+    assert mooncake_storage.batch_set([spec.key], [bytes(blob)]) == [True]
+    got = store.prefetch(h, HostPool(LAYOUT, 1), [0])
+    assert (got.pages, got.corrupt, store.counters.corrupt_objects) == (0, 1, 1)
+
+
+def test_master_killed_mid_run_then_back(tmp_path):
+    with MooncakeMaster(log_path=str(tmp_path / "master.log")) as master:
+        adapter = MooncakeStorage(master.address, master.metadata_url, segment_bytes=32 << 20,
+                                  buffer_bytes=16 << 20)
+        try:
+            store = PageStore(adapter, LAYOUT, make_key_scheme("unified", LAYOUT, RankCoords()))
+            host, batch = _host(), lambda i: page_hashes(range(1000 * i, 1000 * i + 32), 4)
+            assert store.backup(batch(0), host, list(range(8))).ok == [True] * 8
+            master.stop()
+            down = store.backup(batch(1), host, list(range(8)))
+            assert down.errors > 0 and not any(down.ok)
+            assert store.prefetch(batch(0), host, list(range(8))).errors == 1
+            assert store.counters.storage_errors == down.errors + 1
+            master.start()                      # same ports
+            deadline, i = time.monotonic() + 60, 2
+            while store.backup(batch(i), host, list(range(8))).errors:
+                assert time.monotonic() < deadline, "no recovery within 60 s of the master's restart"
+                time.sleep(0.2)
+                i += 1
+            reader = HostPool(LAYOUT, 8)
+            assert store.prefetch(batch(i), reader, list(range(8))).pages == 8
+            assert torch.equal(reader.tensor, host.tensor)
+        finally:
+            adapter.close()
+
+
+def test_unreachable_master_fails_fast():
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=f"127.0.0.1:{port} unreachable"):
+        MooncakeStorage(f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}/metadata")
+    assert time.monotonic() - start < 10

@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
+from hicache_async.layout import KVLayout
+from hicache_async.page_store import PageStore
+from hicache_async.pool import HostPool
+from hicache_async.storage.memory import MemoryStorage
+from hicache_async.storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
+
+SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
+PAYLOAD = bytes(range(200))
+
+
+def test_header_round_trip_is_64_bytes():
+    header = encode_header("k1", SPEC, "ns", PAYLOAD)
+    assert len(header) == HEADER_BYTES == 64
+    verify("k1", SPEC, "ns", header, PAYLOAD)
+
+
+@pytest.mark.parametrize("key,spec,ns,payload,reason", [
+    ("k2", SPEC, "ns", PAYLOAD, "key digest"),
+    ("k1", ObjectSpec("k1", range(0, 3), range(2, 4)), "ns", PAYLOAD, "last layer"),
+    ("k1", ObjectSpec("k1", range(0, 2), range(0, 4)), "ns", PAYLOAD, "first head"),
+    ("k1", SPEC, "other", PAYLOAD, "namespace"),
+    ("k1", SPEC, "ns", PAYLOAD[:-1], "payload is 199 bytes"),
+    ("k1", SPEC, "ns", PAYLOAD[:5] + b"\xff" + PAYLOAD[6:], "checksum"),
+])
+def test_any_mismatch_is_corrupt(key, spec, ns, payload, reason):
+    header = encode_header("k1", SPEC, "ns", PAYLOAD)
+    with pytest.raises(CorruptObject, match=reason):
+        verify(key, spec, ns, header, payload)
+
+
+def test_truncated_header_is_corrupt():
+    with pytest.raises(CorruptObject, match="header truncated"):
+        verify("k1", SPEC, "ns", encode_header("k1", SPEC, "ns", PAYLOAD)[:30], PAYLOAD)
+
+
+def _stored_page(layout=None):
+    layout = layout or KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+    host = HostPool(layout, 2)
+    host.tensor.copy_(torch.randn(host.tensor.shape))
+    storage = MemoryStorage()
+    store = PageStore(storage, layout, RankSuffixKeys(layout))
+    h = page_hashes(range(4), 4)
+    assert store.backup(h, host, [0]).ok == [True]
+    return storage, store, host, h, store.keys.objects(h[0])[0].key
+
+
+def test_flipped_byte_is_a_miss_and_counted():
+    storage, store, host, h, key = _stored_page()
+    blob = bytearray(storage._objects[key])
+    blob[HEADER_BYTES + 7] ^= 0x01
+    storage._objects[key] = bytes(blob)
+    result = store.prefetch(h, host, [1])
+    assert (result.pages, result.corrupt, store.counters.corrupt_objects) == (0, 1, 1)
+
+
+def test_truncated_object_is_a_miss_and_counted():
+    storage, store, host, h, key = _stored_page()
+    storage._objects[key] = storage._objects[key][:-3]
+    result = store.prefetch(h, host, [1])
+    assert (result.pages, result.corrupt, store.counters.corrupt_objects) == (0, 1, 1)
+
+
+def test_object_from_another_namespace_is_a_miss():
+    storage, store, host, h, key = _stored_page()
+    other = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4, model_id="other-model")
+    reader = PageStore(storage, other, RankSuffixKeys(other))
+    misplaced = reader.keys.objects(h[0])[0].key
+    assert misplaced != key
+    storage._objects[misplaced] = storage._objects[key]  # same bytes under the other model's key
+    result = reader.prefetch(h, HostPool(other, 1), [0])
+    assert (result.pages, result.corrupt) == (0, 1)
