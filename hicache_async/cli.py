@@ -84,7 +84,8 @@ def _simulate(ns: argparse.Namespace) -> int:
     model = ModelConfig(attention=ns.attention, seed=ns.seed)
     args = SimulateArgs(tp=ns.tp, pp=ns.pp, cp=ns.cp, attention=ns.attention, storage=ns.storage,
                         storage_path=ns.storage_path, mooncake_master=ns.mooncake_master,
-                        requests=ns.requests, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file)
+                        requests=ns.requests, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file,
+                        log_json=ns.log_json)
     result = run(args, cache, spec, model)
     print_summary(result)
     if ns.json:

@@ -63,7 +63,7 @@ class StoreCounters:
                 setattr(self, name, getattr(self, name) + value)
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
     return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
@@ -85,7 +85,7 @@ class PageStore:
     def _register(self, host: HostPool) -> None:
         with self._register_lock:
             if host.tensor.data_ptr() not in self._registered:
-                self.adapter.register_memory(_byte_view(host.tensor))
+                self.adapter.register_memory(tensor_bytes(host.tensor))
                 self._registered[host.tensor.data_ptr()] = host.tensor
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
@@ -126,7 +126,7 @@ class PageStore:
             for spec in page_specs:
                 payload = self._slot(host, host_pages[i], spec).contiguous()
                 alive.append(payload)
-                data = _byte_view(payload)
+                data = tensor_bytes(payload)
                 keys.append(spec.key)
                 parts.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])
                 owners.append(i)
@@ -184,7 +184,7 @@ class PageStore:
                 target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
                 header = headers[HEADER_BYTES * len(keys):HEADER_BYTES * (len(keys) + 1)]
                 keys.append(spec.key)
-                parts.append([header, _byte_view(target)])
+                parts.append([header, tensor_bytes(target)])
                 jobs.append((spec, slot, target))
         try:
             got = self.adapter.batch_get_parts(keys, parts)

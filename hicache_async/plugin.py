@@ -89,6 +89,7 @@ class HiCachePlugin(KVPlugin):
         req.pages = match.device_pages + fresh
         req.cached = req.kv_len = match.device_tokens + host_tokens
         req.lock = lock
+        self._trace_admission(req, match.device_tokens, host_tokens)
         self._count("tokens_from_l1", match.device_tokens)
         self._count("tokens_computed", len(req.prompt) - req.cached)
         self.stats["prompt_tokens"] += len(req.prompt)
@@ -147,7 +148,7 @@ class HiCachePlugin(KVPlugin):
         n_prefetch, prefetch_pages = self.l3.prefetch_view() if self.l3 else (0, [])
         msg = pack((writes.ready(), loads.ready(), backups.ready() if self.l3 else 0, n_prefetch),
                    prefetch_pages, self.cache.digest)
-        with telemetry.pp_sync_span(self.engine.coords) as span:
+        with telemetry.pp_sync_span(self.engine.coords, parent=self._step_span) as span:
             agreed = await self.agreement.agree(msg, self.step, prefetch_pending=bool(self.l3 and len(prefetches)))
             if span.is_recording():
                 span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed.tolist()})
@@ -195,6 +196,16 @@ class HiCachePlugin(KVPlugin):
         if self._step_span is not None:
             self._step_span.end()
         self._step_span = telemetry.begin_step(self.engine.run_id, self.step, self.engine.coords)
+
+    def _trace_admission(self, req: Request, device_tokens: int, host_tokens: int) -> None:
+        """A `hicache.request` span per rank in the request's own trace: where links lead."""
+        if not telemetry.tracing_enabled():
+            return
+        attrs = {"hicache.prompt_tokens": len(req.prompt), "hicache.tokens.l1": device_tokens,
+                 "hicache.tokens.l2_l3": host_tokens}
+        with telemetry.request_span(self.engine.run_id, req.id, self.engine.coords, step=self._step_span,
+                                    attrs=attrs):
+            pass
 
     def _trace_issue(self, op: CacheOp, request_ids: list[int]) -> None:
         src, dst = TIERS[op.kind]

@@ -8,9 +8,11 @@ from .config import CacheConfig
 from .engine.model import ModelConfig, TinyModel
 from .engine.scheduler import Scheduler
 from .engine.workload import Workload, WorkloadSpec
+from .observability import setup_telemetry
 from .plugin import HiCachePlugin
 from .pp_sync import PipelineAgreement
 from .storage.base import open_storage
+from .trace_file import part_path
 
 
 def specs_from(payload: dict) -> tuple[ModelConfig, CacheConfig, WorkloadSpec]:
@@ -25,6 +27,16 @@ def payload_of(model: ModelConfig, cache: CacheConfig, workload: WorkloadSpec, s
 
 
 async def run_rank(ctx) -> dict:
+    trace_file = ctx.payload.get("trace_file")
+    telemetry = setup_telemetry(coords=ctx.coords, run_id=ctx.run_id, log_json=ctx.payload.get("log_json", False),
+                                trace_file=part_path(trace_file, ctx.coords.rank) if trace_file else None)
+    try:
+        return await _run(ctx)
+    finally:
+        telemetry.shutdown()
+
+
+async def _run(ctx) -> dict:
     model_cfg, cache_cfg, spec = specs_from(ctx.payload)
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None

@@ -20,6 +20,7 @@ from .ranks.launcher import launch
 from .rank_main import payload_of
 from .reference import reference_outputs
 from .topology import check_topology
+from .trace_file import merge_trace_files, part_path
 
 TIERS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
 
@@ -37,6 +38,7 @@ class SimulateArgs:
     seed: int = 0
     timeout_s: float = 60.0
     trace_file: str | None = None
+    log_json: bool = False
 
 
 def default_storage_path() -> str:
@@ -53,6 +55,7 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
     with _storage(args) as storage:
         payload = payload_of(model, cache, spec, storage)
         payload["trace_file"] = args.trace_file
+        payload["log_json"] = args.log_json
         run_id = uuid.uuid4().hex[:16]
         started = time.perf_counter()
         with tqdm(total=spec.requests, desc=f"simulate tp{args.tp} pp{args.pp} cp{args.cp}",
@@ -61,6 +64,9 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
                              payload=payload, timeout_s=args.timeout_s, run_id=run_id,
                              on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
         cached_s = time.perf_counter() - started
+        if args.trace_file:
+            world = args.tp * args.pp * args.cp
+            merge_trace_files([part_path(args.trace_file, r) for r in range(world)], args.trace_file)
     reference = reference_outputs(model, spec, cache.page_size)
     return summarize(args, reports, reference, run_id, cached_s)
 
@@ -125,4 +131,5 @@ def print_summary(result: dict, file=sys.stdout) -> None:
     print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
           f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)
     verdict = "yes" if result["outputs_match_reference"] else "NO"
-    print(f"  outputs match the cache-less reference: {verdict}", file=file)
+    print(f"  outputs match the cache-less reference: {verdict}; run id {result['run_id']} "
+          f"(the hicache.run_id attribute of its traces)", file=file)

@@ -43,12 +43,15 @@ class StorageTier:
                  hashes: list[str]) -> StorageOp | None:
         """Fetch pages `first_page..` of `tokens` into fresh host pages; None if no room."""
         n = len(hashes) - first_page
+        tree = self.cache.tree
+        tree.lock_device(parent)      # lock first: making room must not evict what we graft onto
+        tree.lock_host(parent)
         pages = self.cache.alloc_host(n)
         if pages is None:
+            tree.lock_device(parent, -1)
+            tree.lock_host(parent, -1)
             return None
         self.cache.note("prefetch", request_id, first_page, n)
-        self.cache.tree.lock_device(parent)
-        self.cache.tree.lock_host(parent)
         op = StorageOp("prefetch", parent, [HostEvent()], n, n * self.cache.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
                        first_page=first_page,

@@ -1,6 +1,7 @@
 """Simulated ranks: real processes, their groups, awaitable waits, and failure handling."""
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -194,20 +195,39 @@ def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline = time.monotonic() + 60
-        while text.count("PID") < 2 and sel.select(max(0.0, deadline - time.monotonic())):
+        while text.count("\n") < 2 and sel.select(max(0.0, deadline - time.monotonic())):
             chunk = os.read(proc.stdout.fileno(), 4096).decode()
             if not chunk:
                 break
             text += chunk
-    pids = [int(line.split()[1]) for line in text.splitlines() if line.startswith("PID")]
+    pids = [int(line.split()[1]) for line in text.splitlines()[:2]]
     if len(pids) < 2:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"launcher did not start its ranks: {proc.communicate(timeout=10)}")
     return proc, pids
 
 
-def test_ctrl_c_stops_every_rank_quietly(tmp_path):
+@pytest.fixture
+def launcher(tmp_path):
+    """A launcher subprocess with two sleeping ranks; its whole session is killed afterwards."""
     proc, pids = start_launcher(tmp_path)
+    yield proc, pids
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_ctrl_c_stops_every_rank_quietly(launcher):
+    proc, pids = launcher
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)  # ranks leave Ctrl-C to the parent
+    time.sleep(0.5)
+    assert all(alive(pid) for pid in pids) and proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "interrupted" in out
@@ -215,10 +235,10 @@ def test_ctrl_c_stops_every_rank_quietly(tmp_path):
     assert wait_until_dead(pids, 1.0) == []
 
 
-def test_ranks_die_with_a_killed_parent(tmp_path):
-    proc, pids = start_launcher(tmp_path)
+def test_ranks_die_with_a_killed_parent(launcher):
+    proc, pids = launcher
     proc.kill()  # no chance to clean up: only PR_SET_PDEATHSIG can stop the ranks
-    proc.communicate(timeout=10)
+    proc.wait(timeout=10)
     assert wait_until_dead(pids, 10.0) == []
 
 

@@ -6,7 +6,7 @@ from hicache_async.layout import KVLayout
 from hicache_async.page_store import PageStore
 from hicache_async.pool import HostPool
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
+from hicache_async.storage.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, verify
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
 PAYLOAD = bytes(range(200))
@@ -73,3 +73,17 @@ def test_object_from_another_namespace_is_a_miss():
     storage._objects[misplaced] = storage._objects[key]  # same bytes under the other model's key
     result = reader.prefetch(h, HostPool(other, 1), [0])
     assert (result.pages, result.corrupt) == (0, 1)
+
+
+@pytest.mark.parametrize("size", [0, 5, 8, 511, 512, 4096 + 24])
+def test_checksum_catches_any_flipped_bit_and_swapped_blocks(size):
+    data = bytearray(torch.randint(0, 256, (size,), dtype=torch.uint8).tolist())
+    good = checksum(data)
+    for pos in range(0, size, 7):
+        for bit in (0, 7):
+            data[pos] ^= 1 << bit
+            assert checksum(data) != good, (pos, bit)
+            data[pos] ^= 1 << bit
+    if size >= 1024:
+        swapped = data[512:1024] + data[:512] + data[1024:]
+        assert swapped != data and checksum(swapped) != good

@@ -16,7 +16,7 @@ import torch
 from ..errors import HiCacheError
 from ..keys import make_key_scheme, page_hashes
 from ..layout import KVLayout
-from ..page_store import PageStore
+from ..page_store import PageStore, tensor_bytes
 from ..pool import HostPool
 from ..storage.file import FileStorage
 
@@ -110,7 +110,7 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
             ptrs = [host.page_ptr(p) for p in range(pages)]
             into = [reader.page_ptr(p) for p in range(pages)]
             for pool in (host, reader):
-                client.register_buffer(pool.tensor.data_ptr(), pool.tensor.numel() * pool.tensor.element_size())
+                adapter.register_memory(tensor_bytes(pool.tensor))
 
             def raw_put(r: int) -> None:
                 codes = client.batch_put_from([f"raw-{r}-{p}" for p in range(pages)], ptrs, [size] * pages)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ from ..errors import StorageError
 from .base import MISSING, WRONG_SIZE, StorageAdapter
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_NAME = 200
 _LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
 _STALE_TEMP_S = 3600
@@ -30,7 +32,10 @@ def object_name(key: str) -> str:
     So `/`, `.`, `..` and NUL cannot leave the directory or name a special entry. Names
     that would be too long become `~` + SHA-256 of the key (escaping never yields `~`).
     """
-    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode())
+    if _ALL_SAFE.fullmatch(key):
+        name = key
+    else:
+        name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode())
     if not name or len(name) > _MAX_NAME:
         return "~" + hashlib.sha256(key.encode()).hexdigest()
     return name
@@ -47,6 +52,7 @@ class FileStorage(StorageAdapter):
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot create directory: {e.strerror}") from None
         self._lock = threading.Lock()
+        self._dirs: set[Path] = set()  # fan-out directories known to exist
         self._used = self._scan(remove_stale=True)[1]
 
     def _path(self, key: str) -> Path:
@@ -101,7 +107,9 @@ class FileStorage(StorageAdapter):
         path = self._path(key)
         tmp = path.parent / f".{uuid.uuid4().hex}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True)
+            if path.parent not in self._dirs:
+                path.parent.mkdir(exist_ok=True)
+                self._dirs.add(path.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for p in parts:
