@@ -135,7 +135,7 @@ def storage_figures(quick: bool = False) -> list[dict]:
     64 MiB per repetition (16 MiB when quick). Mooncake figures carry `skipped` and no
     values when the mooncake extra or its master is unavailable.
     """
-    pages, reps = (32, 2) if quick else (128, 3)
+    pages, reps = (32, 3) if quick else (128, 3)
     figures = _file_figures(pages, reps)
     try:
         figures += _mooncake_figures(pages, reps)

@@ -23,6 +23,7 @@ MAGIC = b"HKV\x00"
 VERSION = 1
 _HEADER = struct.Struct("<4sHH8s8sIIIIQQQ")
 _BLOCK_WORDS = 64
+_SERIAL_WORDS = 16384  # below torch's parallel grain: summing stays on this thread
 _MASK = (1 << 64) - 1
 HEADER_BYTES = _HEADER.size  # 64
 
@@ -43,7 +44,12 @@ def checksum(payload) -> tuple[int, int]:
     whole = view.nbytes // (8 * _BLOCK_WORDS) * _BLOCK_WORDS
     total = weighted = 0
     if whole:
-        blocks = torch.frombuffer(view, dtype=torch.int64, count=whole).view(-1, _BLOCK_WORDS).sum(1)
+        # Serial chunks: intra-op threads wake too slowly for one page, worse on a busy machine.
+        words = torch.frombuffer(view, dtype=torch.int64, count=whole).view(-1, _BLOCK_WORDS)
+        blocks = torch.empty(len(words), dtype=torch.int64)
+        step = _SERIAL_WORDS // _BLOCK_WORDS
+        for start in range(0, len(words), step):
+            torch.sum(words[start:start + step], 1, out=blocks[start:start + step])
         total = int(blocks.sum())
         weighted = int((blocks * torch.arange(1, len(blocks) + 1)).sum())
     rest = bytes(view[whole * 8:])
