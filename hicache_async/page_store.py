@@ -77,7 +77,7 @@ class PageStore:
         self.cp_mode = cp_mode
         self.namespace = layout.namespace()
         self.counters = StoreCounters()
-        self._registered: dict[int, torch.Tensor] = {}
+        self._registered: dict[int, torch.Tensor] = {}  # held, so an address is never reused
         self._register_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------------

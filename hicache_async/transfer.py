@@ -40,19 +40,18 @@ class Copier:
         if self.cuda:
             return self._run_cuda(kind, device_pages, host_pages)
         events = [HostEvent() for _ in range(self.layers)]
-        dev = torch.tensor(device_pages, dtype=torch.long)
-        host = torch.tensor(host_pages, dtype=torch.long)
-        self._worker.submit(self._copy_layers, kind, dev, host, events)
+        self._worker.submit(self._copy_layers, kind, runs(device_pages, host_pages), events)
         return events
 
-    def _copy_layers(self, kind: str, dev: torch.Tensor, host: torch.Tensor,
+    def _copy_layers(self, kind: str, page_runs: list[tuple[int, int, int]],
                      events: list[HostEvent]) -> None:
         d, h = self.device.tensor, self.host.tensor
         for layer, event in enumerate(events):
-            if kind == "write":
-                h[host, layer] = d[layer].index_select(0, dev)
-            else:
-                d[layer].index_copy_(0, dev, h[host, layer])
+            for dp, hp, n in page_runs:
+                if kind == "write":
+                    h[hp:hp + n, layer].copy_(d[layer, dp:dp + n])
+                else:
+                    d[layer, dp:dp + n].copy_(h[hp:hp + n, layer])
             event.set()
 
     def _run_cuda(self, kind: str, device_pages: list[int], host_pages: list[int]) -> list[CompletionEvent]:
@@ -61,12 +60,25 @@ class Copier:
         stream.wait_stream(torch.cuda.current_stream())
         d, h = self.device.tensor, self.host.tensor
         events: list[CompletionEvent] = []
+        page_runs = runs(device_pages, host_pages)
         with torch.cuda.stream(stream):
             for layer in range(self.layers):
-                for dp, hp in zip(device_pages, host_pages):
+                for dp, hp, n in page_runs:
                     if kind == "write":
-                        h[hp, layer].copy_(d[layer, dp], non_blocking=True)
+                        h[hp:hp + n, layer].copy_(d[layer, dp:dp + n], non_blocking=True)
                     else:
-                        d[layer, dp].copy_(h[hp, layer], non_blocking=True)
+                        d[layer, dp:dp + n].copy_(h[hp:hp + n, layer], non_blocking=True)
                 events.append(CudaEvent(stream))
         return events
+
+
+def runs(device_pages: list[int], host_pages: list[int]) -> list[tuple[int, int, int]]:
+    """Coalesce page pairs into (device start, host start, length) runs that are consecutive
+    on both sides, so a copy moves a whole run of pages per layer instead of one page."""
+    out: list[tuple[int, int, int]] = []
+    for dp, hp in zip(device_pages, host_pages):
+        if out and out[-1][0] + out[-1][2] == dp and out[-1][1] + out[-1][2] == hp:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((dp, hp, 1))
+    return out

@@ -66,7 +66,7 @@ async def recv(tensor: torch.Tensor, *, src: int, tag: int, what: str, coords: R
     await wait_work(work, what=what, coords=coords, timeout_s=timeout_s, spin_s=0.0)
 
 
-def isend(tensor: torch.Tensor, *, dst: int, tag: int) -> "SendHandle":
+def isend(tensor: torch.Tensor, *, dst: int, tag: int) -> SendHandle:
     """Start a send to global rank `dst`; keep `tensor` unchanged until the send is reaped."""
     return SendHandle(dist.isend(tensor, dst=dst, tag=tag))
 
@@ -97,7 +97,7 @@ class SendHandle:
         return True
 
 
-def _settle_inline(work: dist.Work, what: str, coords: RankCoords) -> None:
+def _settle_inline(work: dist.Work | SendHandle, what: str, coords: RankCoords) -> None:
     try:
         work.wait()
     except RuntimeError as exc:

@@ -60,7 +60,7 @@ class MooncakeStorage(StorageAdapter):
             raise StorageError(f"mooncake setup against master {master} failed with code {rc}")
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._staging_bufs: dict[int, torch.Tensor] = {}  # by thread id
         self._closed = False
 
     # -- memory --------------------------------------------------------------------------
@@ -81,8 +81,12 @@ class MooncakeStorage(StorageAdapter):
         return any(a <= ptr and ptr + size <= b for a, b in self._regions)
 
     def _staging(self, size: int) -> torch.Tensor:
-        """This thread's registered staging buffer, grown to at least `size` bytes."""
-        old = getattr(self._local, "buf", None)
+        """This thread's registered staging buffer, grown to at least `size` bytes.
+
+        Held by the adapter, not the thread, so registered memory is never freed before close().
+        """
+        me = threading.get_ident()
+        old = self._staging_bufs.get(me)
         if old is not None and old.numel() >= size:
             return old
         if old is not None:
@@ -91,7 +95,7 @@ class MooncakeStorage(StorageAdapter):
                 self._regions.remove((old.data_ptr(), old.data_ptr() + old.numel()))
         buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
         self._pin(buf.data_ptr(), buf.numel())
-        self._local.buf = buf
+        self._staging_bufs[me] = buf
         return buf
 
     def _plan(self, parts: list[Sequence[memoryview]]):

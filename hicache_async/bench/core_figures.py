@@ -1,0 +1,119 @@
+"""Single-process figures: the idle cost of `on_step`, L1<->L2 copy bandwidth, tracing overhead."""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import torch
+
+from .. import telemetry
+from ..config import CacheConfig
+from ..layout import KVLayout
+from ..plugin import HiCachePlugin
+from ..plugin_api import EngineContext
+from ..pool import DevicePool, HostPool
+from ..topology import RankCoords
+from ..transfer import Copier
+from .figure import best_of, figure
+
+# A realistic page: 32 layers x 8 kv heads x 128 dims x 16 tokens, K and V, fp16 = 2 MiB.
+BIG = KVLayout(num_layers=32, kv_heads=8, head_dim=128, page_size=16, dtype=torch.float16)
+
+
+def on_step_idle(steps: int) -> dict:
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=16)
+    plugin = HiCachePlugin(CacheConfig(device_pages=8, host_pages=8))
+    plugin.attach(EngineContext(layout, DevicePool(layout, 8), RankCoords()))
+
+    async def run(step) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            await step()
+        return (time.perf_counter() - start) / steps * 1e6
+
+    async def both() -> tuple[float, float]:
+        sleep = lambda: asyncio.sleep(0)   # noqa: E731
+        return (min([await run(plugin.on_step) for _ in range(5)]),
+                min([await run(sleep) for _ in range(5)]))
+
+    idle, baseline = asyncio.run(both())
+    plugin.close()
+    return figure("on_step_idle_us", idle, "us", "asyncio_sleep0_us", baseline)
+
+
+class _Transfers:
+    """Write then load `pages` pages per op through the Copier, like the cache does."""
+
+    def __init__(self, pages: int) -> None:
+        self.device, self.host = DevicePool(BIG, pages), HostPool(BIG, pages)
+        self.device.tensor.normal_()
+        self.copier = Copier(self.device, self.host)
+        self.pages = list(range(pages))
+        self.nbytes = pages * BIG.page_bytes
+
+    def round_trip(self, traced: bool) -> None:
+        for kind, events in (("write", self.copier.write(self.pages, self.pages)),
+                             ("load", None)):
+            if events is None:
+                events = self.copier.load(self.pages, self.pages)
+            span = (telemetry.start_transfer(kind, src="l1", dst="l2", pages=len(self.pages),
+                                             nbytes=self.nbytes, coords=RankCoords()) if traced else None)
+            while not events[-1].query():
+                time.sleep(0)
+            if span is not None:
+                telemetry.finish_transfer(span)
+
+    def gbps(self, traced: bool, reps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(reps):
+            self.round_trip(traced)
+        return 2 * reps * self.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def l1_l2_copy(pages: int, reps: int) -> dict:
+    t = _Transfers(pages)
+    src = torch.randn(t.nbytes // 2, dtype=torch.float16)
+    dst = torch.empty_like(src)
+
+    def plain() -> float:
+        start = time.perf_counter()
+        for _ in range(2 * reps):
+            dst.copy_(src)
+        return 2 * reps * t.nbytes / (time.perf_counter() - start) / 1e9
+
+    value = best_of(3, lambda: t.gbps(False, reps))
+    baseline = best_of(3, plain)
+    t.copier.close()
+    return figure("l1_l2_copy_gbps", value, "GB/s", "tensor_copy_gbps", baseline)
+
+
+def tracing_overhead(pages: int, reps: int, rounds: int) -> dict:
+    """Throughput with spans exported through a BatchSpanProcessor vs tracing off, same run.
+
+    Rounds alternate off and on so drift hits both alike; the medians are compared."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class EncodingExporter(SpanExporter):
+        """Encodes every batch to OTLP protobuf, as the HTTP exporter does, then drops it."""
+
+        def export(self, spans):
+            encode_spans(spans).SerializeToString()
+            return SpanExportResult.SUCCESS
+
+    t = _Transfers(pages)
+    t.gbps(False, reps)                 # warm up before anything is compared
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(EncodingExporter()))
+    trace.set_tracer_provider(provider)
+    pairs = [(t.gbps(False, reps), t.gbps(True, reps)) for _ in range(rounds)]
+    provider.shutdown()
+    t.copier.close()
+    off = statistics.median(a for a, _ in pairs)
+    on = statistics.median(b for _, b in pairs)
+    result = figure("tracing_overhead_pct", (off - on) / off * 100, "%", "tracing_off_gbps", off)
+    result["ratio"] = round(on / off, 3)
+    return result
