@@ -40,18 +40,19 @@ class TieredCache:
         """`n` device pages, evicting LRU leaves; None if that is not possible this step."""
         alloc = self.device.alloc
         while alloc.free < n:
-            leaves = self.tree.device_leaves()
-            if not leaves:
-                return None
-            node = leaves[0]
-            if node.host is not None:
-                self.note("evict-device", node.id)
-                alloc.release(self.tree.evict_device(node))
-            elif self.config.write_policy in WRITE_ON_EVICT and self.write(node):
-                continue    # the node is locked until its write retires; try the next leaf
+            for node in self.tree.device_leaves():
+                if node.host is not None:
+                    self.note("evict-device", node.id)
+                    alloc.release(self.tree.evict_device(node))
+                    break
+                if self.config.write_policy in WRITE_ON_EVICT and self.write(node):
+                    break       # locked until its write retires; the next pass tries other leaves
+                if self.tree.removable(node):
+                    self.note("drop", node.id)
+                    self._drop(node)
+                    break
             else:
-                self.note("drop", node.id)
-                self._drop(node)
+                return None
         self.note("alloc-device", n)
         return alloc.alloc(n)
 

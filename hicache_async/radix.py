@@ -202,6 +202,16 @@ class RadixTree:
         pages, node.device = node.device, None
         return pages
 
+    def removable(self, node: Node) -> bool:
+        """Whether no node in `node`'s subtree is locked on either tier."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.device_lock or n.host_lock:
+                return False
+            stack.extend(n.children.values())
+        return True
+
     def remove(self, node: Node) -> tuple[list[int], list[int]]:
         """Remove a node and its subtree; returns (device pages, host pages) to free."""
         device: list[int] = []

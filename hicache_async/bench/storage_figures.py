@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -19,26 +17,11 @@ from ..layout import KVLayout
 from ..page_store import PageStore, tensor_bytes
 from ..pool import HostPool
 from ..storage.file import FileStorage
+from .figure import figure, gbps, skipped
 
 # 512 KiB pages: 32 layers x K,V x 16 tokens x 4 kv heads x 64 dims, fp16.
 LAYOUT = KVLayout(num_layers=32, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float16,
                   model_id="bench-512k")
-
-
-def _gbps(nbytes: int, run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return nbytes / (time.perf_counter() - start) / 1e9
-
-
-def _figure(name: str, value: float, baseline_name: str, baseline: float) -> dict:
-    return {"name": name, "value": round(value, 3), "unit": "GB/s", "baseline_name": baseline_name,
-            "baseline_value": round(baseline, 3), "ratio": round(value / baseline, 3)}
-
-
-def _skipped(name: str, baseline_name: str, reason: str) -> dict:
-    return {"name": name, "value": None, "unit": "GB/s", "baseline_name": baseline_name,
-            "baseline_value": None, "ratio": None, "skipped": reason}
 
 
 def _workload(pages: int, reps: int):
@@ -56,15 +39,15 @@ def _compare(store: PageStore, host, reader, batches, raw_put, raw_get, pages: i
     slots, nbytes = list(range(pages)), pages * LAYOUT.page_bytes
     b_store = b_raw = p_store = p_raw = 0.0
     for r, hashes in enumerate(batches):
-        b_raw = max(b_raw, _gbps(nbytes, lambda: raw_put(r)))
+        b_raw = max(b_raw, gbps(nbytes, lambda: raw_put(r)))
         results = []
-        b_store = max(b_store, _gbps(nbytes, lambda: results.append(store.backup(hashes, host, slots))))
+        b_store = max(b_store, gbps(nbytes, lambda: results.append(store.backup(hashes, host, slots))))
         if results[0].ok != [True] * pages or results[0].skipped:
             raise RuntimeError(f"bench backup did not write every page: {results[0]}")
     for r, hashes in enumerate(batches):
-        p_raw = max(p_raw, _gbps(nbytes, lambda: raw_get(r)))
+        p_raw = max(p_raw, gbps(nbytes, lambda: raw_get(r)))
         results = []
-        p_store = max(p_store, _gbps(nbytes, lambda: results.append(store.prefetch(hashes, reader, slots))))
+        p_store = max(p_store, gbps(nbytes, lambda: results.append(store.prefetch(hashes, reader, slots))))
         if results[0].pages != pages or not torch.equal(reader.tensor, host.tensor):
             raise RuntimeError(f"bench prefetch read {results[0]} or wrong bytes")
     return b_store, b_raw, p_store, p_raw
@@ -91,8 +74,8 @@ def _file_figures(pages: int, reps: int) -> list[dict]:
                     f.readinto(view)
 
         bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages)
-    return [_figure("file_backup_gbps", bs, "raw_file_write_gbps", br),
-            _figure("file_prefetch_gbps", ps, "raw_file_read_gbps", pr)]
+    return [figure("file_backup_gbps", bs, "GB/s", "raw_file_write_gbps", br),
+            figure("file_prefetch_gbps", ps, "GB/s", "raw_file_read_gbps", pr)]
 
 
 def _mooncake_figures(pages: int, reps: int) -> list[dict]:
@@ -125,8 +108,8 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
             bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages)
         finally:
             adapter.close()
-    return [_figure("mooncake_backup_gbps", bs, "raw_batch_put_from_gbps", br),
-            _figure("mooncake_prefetch_gbps", ps, "raw_batch_get_into_gbps", pr)]
+    return [figure("mooncake_backup_gbps", bs, "GB/s", "raw_batch_put_from_gbps", br),
+            figure("mooncake_prefetch_gbps", ps, "GB/s", "raw_batch_get_into_gbps", pr)]
 
 
 def storage_figures(quick: bool = False) -> list[dict]:
@@ -141,6 +124,6 @@ def storage_figures(quick: bool = False) -> list[dict]:
         figures += _mooncake_figures(pages, reps)
     except (ImportError, OSError, HiCacheError) as e:
         reason = f"mooncake unavailable: {e}"
-        figures += [_skipped("mooncake_backup_gbps", "raw_batch_put_from_gbps", reason),
-                    _skipped("mooncake_prefetch_gbps", "raw_batch_get_into_gbps", reason)]
+        figures += [skipped("mooncake_backup_gbps", "GB/s", "raw_batch_put_from_gbps", reason),
+                    skipped("mooncake_prefetch_gbps", "GB/s", "raw_batch_get_into_gbps", reason)]
     return figures

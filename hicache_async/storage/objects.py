@@ -11,6 +11,7 @@ corrupted word changes it) and a sum of 512-byte block sums weighted by block po
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
@@ -36,6 +37,11 @@ def _digest8(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()[:8]
 
 
+@functools.lru_cache(maxsize=16)
+def _weights(n: int) -> torch.Tensor:
+    return torch.arange(1, n + 1, dtype=torch.int64)
+
+
 def checksum(payload) -> tuple[int, int]:
     """(sum, position-weighted block sum) of the payload's 64-bit words, each mod 2**64."""
     view = memoryview(payload).cast("B")
@@ -51,7 +57,7 @@ def checksum(payload) -> tuple[int, int]:
         for start in range(0, len(words), step):
             torch.sum(words[start:start + step], 1, out=blocks[start:start + step])
         total = int(blocks.sum())
-        weighted = int((blocks * torch.arange(1, len(blocks) + 1)).sum())
+        weighted = int(torch.dot(blocks, _weights(len(blocks))))
     rest = bytes(view[whole * 8:])
     rest += bytes(-len(rest) % 8)
     tail = sum(struct.unpack(f"<{len(rest) // 8}q", rest))
