@@ -34,6 +34,18 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _check_metadata_url(url: str) -> None:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        raise UsageError(f"--mooncake-metadata must be http://HOST:PORT/metadata, got {url!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hicache-async", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -43,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--attention", choices=("mha", "mla"), default="mha")
     sim.add_argument("--storage", choices=("memory", "file", "mooncake", "none"), default="file")
     sim.add_argument("--storage-path", help="file storage directory (default: a per-user cache directory)")
-    sim.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this master instead of starting one")
+    sim.add_argument("--mooncake-master", metavar="HOST:PORT",
+                     help="use this master (and its segment holder) instead of starting one for the run")
+    sim.add_argument("--mooncake-metadata", metavar="URL",
+                     help="that master's metadata server (default http://HOST:8080/metadata)")
     sim.add_argument("--requests", type=_positive, default=48)
     sim.add_argument("--turns", type=_positive, default=4)
     sim.add_argument("--max-new", type=_positive, default=8)
-    sim.add_argument("--device-pages", type=_positive, default=96)
+    sim.add_argument("--device-pages", type=_positive, default=48)
     sim.add_argument("--host-pages", type=_positive, default=192)
     sim.add_argument("--page-size", type=_positive, default=16)
     sim.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
@@ -76,6 +91,10 @@ def _simulate(ns: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be positive, got {ns.timeout}")
     if ns.mooncake_master and ns.storage != "mooncake":
         raise UsageError(f"--mooncake-master {ns.mooncake_master} needs --storage mooncake")
+    if ns.mooncake_metadata and not ns.mooncake_master:
+        raise UsageError(f"--mooncake-metadata {ns.mooncake_metadata} needs --mooncake-master")
+    if ns.mooncake_metadata:
+        _check_metadata_url(ns.mooncake_metadata)
     cache = CacheConfig(device_pages=ns.device_pages, host_pages=ns.host_pages, page_size=ns.page_size,
                         write_policy=ns.write_policy, prefetch_policy=ns.prefetch_policy,
                         prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
@@ -84,6 +103,7 @@ def _simulate(ns: argparse.Namespace) -> int:
     model = ModelConfig(attention=ns.attention, seed=ns.seed)
     args = SimulateArgs(tp=ns.tp, pp=ns.pp, cp=ns.cp, attention=ns.attention, storage=ns.storage,
                         storage_path=ns.storage_path, mooncake_master=ns.mooncake_master,
+                        mooncake_metadata=ns.mooncake_metadata,
                         requests=ns.requests, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file,
                         log_json=ns.log_json)
     result = run(args, cache, spec, model)

@@ -9,12 +9,21 @@ and cp_mode "split", each CP rank backs up its `cp_page_slice` of the batch; wit
 per-CP-rank keys (rank-suffix MHA) each rank writes its own copy. cp_mode "rank0" leaves
 the writing to CP rank 0. Every CP rank *reads* all the pages it asks for, since each holds
 the full KV of its pages.
+
+Every object carries a checksum, computed on backup and verified on prefetch. A batch moves
+in one storage call; its checksums are split across a small shared thread pool and the
+calling thread (xxhash releases the GIL). A prefetch asks storage for the objects directly,
+without an existence probe: the first missing object ends the leading run.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -28,7 +37,44 @@ from .storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
 from .topology import RankCoords
 
 CP_MODES = ("split", "rank0")
-PREFETCH_CHUNK_PAGES = 64  # pages per storage call; `cancel` is honoured between calls
+T = TypeVar("T")
+PREFETCH_CHUNK_PAGES = 64  # pages per prefetch round; `cancel` is honoured between rounds
+PARALLEL_BYTES = 1 << 20   # below this many payload bytes, checksums stay on the calling thread
+
+_checksum_pool: ThreadPoolExecutor | None = None
+_checksum_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process-wide checksum workers; their tasks never submit to the pool (no deadlock)."""
+    global _checksum_pool
+    with _checksum_pool_lock:
+        if _checksum_pool is None:
+            _checksum_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1) - 1),
+                                                thread_name_prefix="hicache-checksum")
+        return _checksum_pool
+
+
+def _split(sizes: list[int]) -> list[range]:
+    """Consecutive index ranges of about equal bytes, one per checksum worker plus the caller."""
+    total = sum(sizes)
+    parts = min(len(sizes), 1 + _pool()._max_workers, max(1, total // PARALLEL_BYTES))
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if len(out) < parts - 1 and acc * parts >= total * (len(out) + 1):
+            out.append(range(start, i + 1))
+            start = i + 1
+    out.append(range(start, len(sizes)))
+    return [r for r in out if r]
+
+
+def _parallel(fn: Callable[[range], T], sizes: list[int]) -> list[T]:
+    """fn over `_split(sizes)`: the first range on this thread, the rest on the pool, in order."""
+    ranges = _split(sizes) if sizes else []
+    futures = [_pool().submit(fn, r) for r in ranges[1:]]
+    first = [fn(ranges[0])] if ranges else []
+    return first + [f.result() for f in futures]
 
 
 @dataclass
@@ -120,28 +166,35 @@ class PageStore:
             result.errors += 1
         result.skipped = present // len(specs[0])
         self._register(host)
-        keys, parts, owners = [], [], []
-        alive = []  # payload tensors whose byte views are in `parts`
+        keys, payloads, owners = [], [], []
         for i, page_specs in zip(mine[result.skipped:], specs[result.skipped:]):
             for spec in page_specs:
-                payload = self._slot(host, host_pages[i], spec).contiguous()
-                alive.append(payload)
-                data = tensor_bytes(payload)
+                payloads.append((spec, self._slot(host, host_pages[i], spec).contiguous()))
                 keys.append(spec.key)
-                parts.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])
                 owners.append(i)
+        parts = [part for chunk in _parallel(lambda r: self._encode(payloads[r.start:r.stop]),
+                                             [t.numel() * t.element_size() for _, t in payloads])
+                 for part in chunk]
         try:
             stored = self.adapter.batch_set_parts(keys, parts) if keys else []
         except StorageError:
             stored = [False] * len(keys)
-        for i, ok, ps in zip(owners, stored, parts):
+        for i, ok, (_, payload) in zip(owners, stored, payloads):
             if ok:
-                result.bytes += HEADER_BYTES + ps[1].nbytes
+                result.bytes += HEADER_BYTES + payload.numel() * payload.element_size()
             else:
                 result.ok[i] = False
                 result.errors += 1
         self.counters.add(bytes_written=result.bytes, storage_errors=result.errors)
         return result
+
+    def _encode(self, payloads: list[tuple[ObjectSpec, torch.Tensor]]) -> list[list[memoryview]]:
+        """[header, payload bytes] per object; the caller keeps the payload tensors alive."""
+        out = []
+        for spec, payload in payloads:
+            data = tensor_bytes(payload)
+            out.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])
+        return out
 
     # -- L3 -> L2 ------------------------------------------------------------------------
 
@@ -153,18 +206,12 @@ class PageStore:
         result = PrefetchResult()
         if not page_hashes:
             return result
+        self._register(host)
         specs = [self.keys.objects(h) for h in page_hashes]
-        try:
-            present = self.adapter.batch_exists([s.key for ss in specs for s in ss]) // len(specs[0])
-        except StorageError:
-            present = 0
-            result.errors += 1
-        if present:
-            self._register(host)
-        for start in range(0, present, PREFETCH_CHUNK_PAGES):
+        for start in range(0, len(specs), PREFETCH_CHUNK_PAGES):
             if cancel is not None and cancel.is_set():
                 break
-            stop = min(start + PREFETCH_CHUNK_PAGES, present)
+            stop = min(start + PREFETCH_CHUNK_PAGES, len(specs))
             good = self._read_chunk(specs[start:stop], host, host_pages[start:stop], result)
             result.pages += good
             if good < stop - start:
@@ -175,8 +222,9 @@ class PageStore:
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, host_pages: list[int],
                     result: PrefetchResult) -> int:
-        """Read and verify a run of pages; the number of leading pages that are good."""
-        headers = memoryview(bytearray(HEADER_BYTES * sum(map(len, specs))))
+        """Read a run of pages in one call, verify it in parallel; the number of leading good pages."""
+        per_page = len(specs[0])
+        headers = memoryview(bytearray(HEADER_BYTES * per_page * len(specs)))
         keys, parts, jobs = [], [], []
         for page, page_specs in zip(host_pages, specs):
             for spec in page_specs:
@@ -191,20 +239,32 @@ class PageStore:
         except StorageError:
             result.errors += 1
             return 0
-        sizes = []  # bytes of each leading verified object
+        sizes: list[int] = []  # bytes of each leading verified object
+        for group_sizes, end in _parallel(lambda r: self._check(got[r.start:r.stop], parts[r.start:r.stop],
+                                                                jobs[r.start:r.stop]),
+                                          [HEADER_BYTES + p[1].nbytes if n != MISSING else 0
+                                           for n, p in zip(got, parts)]):
+            sizes += group_sizes
+            if end is not None:
+                result.corrupt += end == "corrupt"
+                break
+        good = len(sizes) // per_page
+        result.bytes += sum(sizes[:good * per_page])
+        return good
+
+    def _check(self, got: list[int], parts, jobs) -> tuple[list[int], str | None]:
+        """Sizes of the leading verified objects of a run, and what ended it early (None: nothing)."""
+        sizes = []
         for n, (header, data), (spec, slot, target) in zip(got, parts, jobs):
             if n == MISSING:
-                break
+                return sizes, "missing"
             try:
                 if n != HEADER_BYTES + data.nbytes:
                     raise CorruptObject(f"object {spec.key}: read {n} bytes")
                 verify(spec.key, spec, self.namespace, header, data)
             except CorruptObject:
-                result.corrupt += 1
-                break
+                return sizes, "corrupt"
             if target is not slot:
                 slot.copy_(target)
             sizes.append(n)
-        good = len(sizes) // len(specs[0])
-        result.bytes += sum(sizes[:good * len(specs[0])])
-        return good
+        return sizes, None

@@ -36,6 +36,7 @@ class HiCachePlugin(KVPlugin):
         self.metrics = telemetry.CacheMetrics()
         self._prefetching: dict[int, Request] = {}
         self._step_span = None
+        self.most_pending_sends = 0
 
     def attach(self, engine: EngineContext) -> None:
         self.engine = engine
@@ -151,8 +152,9 @@ class HiCachePlugin(KVPlugin):
         with telemetry.pp_sync_span(self.engine.coords, parent=self._step_span) as span:
             agreed = await self.agreement.agree(msg, self.step, prefetch_pending=bool(self.l3 and len(prefetches)))
             if span.is_recording():
-                span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed.tolist()})
-        await self._retire(agreed.tolist())
+                span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed})
+        await self._retire(agreed)
+        self.most_pending_sends = max(self.most_pending_sends, self.agreement.pending_sends)
         self.step_us.append((time.perf_counter() - start) * 1e6)
 
     async def _retire(self, agreed: list[int]) -> None:
@@ -223,7 +225,8 @@ class HiCachePlugin(KVPlugin):
     def report(self) -> dict:
         return {**self.stats, "transfers": dict(self.transfers), "steps": self.step,
                 "storage_errors": self.l3.errors if self.l3 else 0,
-                "dropped_pages": self.cache.dropped_pages, "step_us": self.step_us}
+                "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
+                "step_us": self.step_us}
 
     def close(self) -> None:
         if self._step_span is not None:

@@ -1,12 +1,13 @@
 """What one simulated rank runs: the reference engine with the HiCache plugin on a workload."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from .agreement import LocalAgreement
 from .config import CacheConfig
 from .engine.model import ModelConfig, TinyModel
-from .engine.scheduler import Scheduler
+from .engine.scheduler import IDLE_WAIT_S, Scheduler
 from .engine.workload import Workload, WorkloadSpec
 from .observability import setup_telemetry
 from .plugin import HiCachePlugin
@@ -59,6 +60,7 @@ async def _run(ctx) -> dict:
         # Drain: keep stepping until every in-flight op retired, identically on every rank.
         while plugin.busy():
             await plugin.on_step()
+            await asyncio.sleep(IDLE_WAIT_S)
     finally:
         plugin.close()
         if storage is not None:
@@ -66,5 +68,4 @@ async def _run(ctx) -> dict:
     report = plugin.report()
     report["outputs"] = {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
     report["forwards"] = scheduler.forwards
-    report["pending_sends"] = agreement.pending_sends
     return report

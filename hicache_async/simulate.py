@@ -34,6 +34,7 @@ class SimulateArgs:
     storage: str = "file"
     storage_path: str | None = None
     mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
     requests: int = 48
     seed: int = 0
     timeout_s: float = 60.0
@@ -73,7 +74,11 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
 
 @contextlib.contextmanager
 def _storage(args: SimulateArgs):
-    """The storage spec every rank opens; starts a Mooncake master when none is given."""
+    """The storage spec every rank opens.
+
+    Mooncake without `--mooncake-master` starts a master and its segment holder for this run
+    only; with it, objects live in that master's holder and outlive the run.
+    """
     if args.storage == "none":
         yield None
     elif args.storage == "memory":
@@ -81,18 +86,28 @@ def _storage(args: SimulateArgs):
     elif args.storage == "file":
         yield {"name": "file", "options": {"path": args.storage_path or default_storage_path()}}
     elif args.storage == "mooncake":
-        if args.mooncake_master:
-            yield {"name": "mooncake", "options": {"master": args.mooncake_master}}
-            return
         try:
-            from hicache_mooncake.master import MooncakeMaster
+            from hicache_mooncake.master import MooncakeMaster, check_reachable
         except ImportError as exc:
             raise HiCacheError(f"--storage mooncake needs the mooncake extra: {exc}") from None
+        if args.mooncake_master:
+            metadata_url = args.mooncake_metadata or default_metadata_url(args.mooncake_master)
+            check_reachable(args.mooncake_master, metadata_url)  # one clear error, before any rank starts
+            yield {"name": "mooncake", "options": {"master": args.mooncake_master, "metadata_url": metadata_url}}
+            return
         with MooncakeMaster() as master:
             yield {"name": "mooncake", "options": {"master": master.address,
                                                     "metadata_url": master.metadata_url}}
     else:
         raise UsageError(f"unknown --storage {args.storage!r}: expected memory, file, mooncake or none")
+
+
+def default_metadata_url(master: str) -> str:
+    """The metadata server a master at HOST:PORT serves by default: http://HOST:8080/metadata."""
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--mooncake-master must be HOST:PORT, got {master!r}")
+    return f"http://{host}:8080/metadata"
 
 
 def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float) -> dict:
@@ -112,7 +127,7 @@ def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: 
         "transfers": first["transfers"],
         "storage_errors": sum(r["storage_errors"] for r in reports),
         "dropped_pages": first["dropped_pages"],
-        "max_pending_sends": max(r["pending_sends"] for r in reports),
+        "most_pending_sends": max(r["most_pending_sends"] for r in reports),
         "seconds": round(seconds, 2),
     }
     total = max(1, out["prompt_tokens"])

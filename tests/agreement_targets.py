@@ -1,6 +1,4 @@
 """Rank targets for the agreement tests (run inside simulated ranks)."""
-import torch
-
 from hicache_async.agreement import DIGEST, LOAD, WRITE, pack
 from hicache_async.pp_sync import PipelineAgreement
 
@@ -13,7 +11,9 @@ async def many_steps(ctx) -> dict:
         agreement.reap()
         await agreement.agree(pack((0, 0, 0, 0), [], 7), step)
         most = max(most, agreement.pending_sends)
-    return {"most_pending_sends": most, "final_pending_sends": agreement.pending_sends}
+    final = agreement.pending_sends
+    agreement.close()
+    return {"most_pending_sends": most, "final_pending_sends": final}
 
 
 async def counts(ctx) -> dict:
@@ -23,7 +23,8 @@ async def counts(ctx) -> dict:
     for step in range(50):
         mine = (ctx.coords.rank * 3 + step) % 5
         agreed = await agreement.agree(pack((mine, mine + 1, 0, 0), [], 1), step)
-        seen.append([int(agreed[WRITE]), int(agreed[LOAD])])
+        seen.append([agreed[WRITE], agreed[LOAD]])
+    agreement.close()
     return {"seen": seen}
 
 
@@ -36,7 +37,8 @@ async def diverge(ctx) -> dict:
         if ctx.coords.rank == ctx.payload["odd_rank"] and step == ctx.payload["at"]:
             digest += 1000
         agreed = await agreement.agree(pack((0, 0, 0, 0), [], digest), step)
-        assert int(agreed[DIGEST]) == digest
+        assert agreed[DIGEST] == digest
+    agreement.close()
     return {}
 
 
@@ -45,5 +47,3 @@ def stage_zero_min(world: int, tp: int, cp: int, step: int) -> list[int]:
     low = min((r * 3 + step) % 5 for r in range(tp * cp))
     return [low, low + 1]
 
-
-__all__ = ["many_steps", "counts", "diverge", "stage_zero_min", "torch"]

@@ -2,7 +2,7 @@
 import asyncio
 
 from hicache_async.engine.model import ModelConfig, TinyModel
-from hicache_async.engine.scheduler import Scheduler
+from hicache_async.engine.scheduler import IDLE_WAIT_S, Scheduler
 from hicache_async.engine.workload import Workload, WorkloadSpec
 from hicache_async.plugin import HiCachePlugin
 from hicache_async.reference import reference_outputs
@@ -17,6 +17,7 @@ def run_cached(plugin: HiCachePlugin, spec: WorkloadSpec, model: ModelConfig) ->
         await scheduler.run(workload)
         while plugin.busy():
             await plugin.on_step()
+            await asyncio.sleep(IDLE_WAIT_S)
 
     try:
         asyncio.run(main())

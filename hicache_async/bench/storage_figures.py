@@ -83,7 +83,8 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
 
     host, reader, batches = _workload(pages, reps)
     segment = 2 * reps * pages * (LAYOUT.page_bytes + 4096) + (64 << 20)
-    with MooncakeMaster() as master:
+    # No segment holder: the client mounts its own segment, so both sides take the local path.
+    with MooncakeMaster(holder_bytes=0) as master:
         adapter = MooncakeStorage(master.address, master.metadata_url, segment_bytes=segment,
                                   buffer_bytes=32 << 20)
         try:

@@ -5,20 +5,24 @@ part (headers, copies of non-contiguous slices) goes through a per-thread regist
 staging buffer. Return codes: -704 not found is a miss, -705 already exists is success
 (keys are content-addressed), -900 RPC failure is an outage (StorageError), other
 negatives fail just that object.
+
+Objects live in a segment some client mounts. A rank client mounts none by default
+(`segment_bytes=0`): its puts land in the segment holder started beside the master (see
+`holder.py`), so they outlive the rank. Give it `segment_bytes` only against a master with
+no holder, knowing those objects go when the client closes.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
 from collections.abc import Sequence
-from urllib.parse import urlparse
 
 import torch
 
 from hicache_async.errors import StorageError, UsageError
 from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter
 
-from .master import port_open
+from .master import check_reachable
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
@@ -35,7 +39,7 @@ def _address(view: memoryview) -> int | None:
 
 class MooncakeStorage(StorageAdapter):
     def __init__(self, master: str = "127.0.0.1:50051", metadata_url: str | None = None,
-                 segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
+                 segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  connect_timeout_s: float = 3.0, **_options) -> None:
         host, _, port = master.rpartition(":")
@@ -43,11 +47,8 @@ class MooncakeStorage(StorageAdapter):
             raise UsageError(f"mooncake master must be HOST:PORT, got {master!r}")
         self.master = master
         self.metadata_url = metadata_url or f"http://{host}:8080/metadata"
-        meta = urlparse(self.metadata_url)
         # setup() retries for ~90 s against a dead master; probe first so that fails fast.
-        for what, h, p in (("master", host, int(port)), ("metadata server", meta.hostname, meta.port)):
-            if h and p and not port_open(h, p, connect_timeout_s):
-                raise StorageError(f"mooncake {what} {h}:{p} unreachable")
+        check_reachable(master, self.metadata_url, connect_timeout_s)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError:
