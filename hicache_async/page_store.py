@@ -40,6 +40,7 @@ CP_MODES = ("split", "rank0")
 T = TypeVar("T")
 PREFETCH_CHUNK_PAGES = 64  # pages per prefetch round; `cancel` is honoured between rounds
 PARALLEL_BYTES = 1 << 20   # below this many payload bytes, checksums stay on the calling thread
+CHECKSUM_WORKERS = max(1, min(4, os.cpu_count() or 1) - 1)  # the calling thread makes one more
 
 _checksum_pool: ThreadPoolExecutor | None = None
 _checksum_pool_lock = threading.Lock()
@@ -50,15 +51,14 @@ def _pool() -> ThreadPoolExecutor:
     global _checksum_pool
     with _checksum_pool_lock:
         if _checksum_pool is None:
-            _checksum_pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1) - 1),
-                                                thread_name_prefix="hicache-checksum")
+            _checksum_pool = ThreadPoolExecutor(CHECKSUM_WORKERS, thread_name_prefix="hicache-checksum")
         return _checksum_pool
 
 
 def _split(sizes: list[int]) -> list[range]:
     """Consecutive index ranges of about equal bytes, one per checksum worker plus the caller."""
     total = sum(sizes)
-    parts = min(len(sizes), 1 + _pool()._max_workers, max(1, total // PARALLEL_BYTES))
+    parts = min(len(sizes), 1 + CHECKSUM_WORKERS, max(1, total // PARALLEL_BYTES))
     out, start, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n

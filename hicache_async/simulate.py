@@ -50,6 +50,9 @@ def default_storage_path() -> str:
 def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
                    attention=model.attention)
+    if cache.page_size > spec.system_len:
+        raise UsageError(f"--page-size {cache.page_size} exceeds the shortest prompt ({spec.system_len} "
+                         f"tokens): few pages would ever fill, so little could be cached")
     if spec.max_prompt() // cache.page_size + 1 > cache.device_pages:
         raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
                          f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
@@ -136,7 +139,8 @@ def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: 
     return out
 
 
-def print_summary(result: dict, file=sys.stdout) -> None:
+def print_summary(result: dict, file=None) -> None:
+    file = file or sys.stdout
     tiers = result["tiers"]
     print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
           f"cp{result['cp']}), {result['attention']}, storage {result['storage']}", file=file)
