@@ -18,7 +18,8 @@ WRITE_ON_EVICT = ("write_back", "write_through_selective")
 
 
 class TieredCache:
-    def __init__(self, config: CacheConfig, device: DevicePool, host: HostPool) -> None:
+    def __init__(self, config: CacheConfig, device: DevicePool, host: HostPool,
+                 on_issue=lambda op, request_ids: None) -> None:
         self.config = config
         self.device, self.host = device, host
         self.tree = RadixTree(config.page_size)
@@ -26,7 +27,7 @@ class TieredCache:
         self.writes = AckQueue("write")
         self.loads = AckQueue("load")
         self.digest = 0
-        self.on_write: list = []      # callbacks(op) when a write op is issued (tracing)
+        self.on_issue = on_issue      # (op, request ids) as each op is issued: tracing
         self.dropped_pages = 0
 
     def note(self, *decision: object) -> None:
@@ -87,12 +88,11 @@ class TieredCache:
         self.tree.lock_host(node)
         op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
                      hashes=list(node.hashes), host_pages=list(pages))
+        self.on_issue(op, [])
         self.writes.push(op)
-        for callback in self.on_write:
-            callback(op)
         return True
 
-    def load(self, nodes: list[Node], device_pages: list[int]) -> CacheOp:
+    def load(self, nodes: list[Node], device_pages: list[int], request_id: int) -> CacheOp:
         """Bring host-only nodes back to the device (L2 -> L1), layer by layer."""
         host_pages = [p for n in nodes for p in n.host]
         self.note("load", nodes[0].id, len(host_pages))
@@ -105,6 +105,7 @@ class TieredCache:
         self.tree.lock_host(nodes[-1])
         op = CacheOp("load", nodes[-1], events, len(host_pages),
                      len(host_pages) * self.host.layout.page_bytes)
+        self.on_issue(op, [request_id])
         self.loads.push(op)
         return op
 

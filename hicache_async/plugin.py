@@ -19,6 +19,7 @@ from .page_store import PageStore
 from .plugin_api import EngineContext, KVPlugin
 from .pool import HostPool
 from .request import Request
+from .storage.traced import TracedStorage
 from .storage_tier import StorageTier
 
 
@@ -43,12 +44,13 @@ class HiCachePlugin(KVPlugin):
         cfg = self.config
         if engine.layout.page_size != cfg.page_size:
             raise ValueError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
-        self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages))
-        self.cache.on_write.append(lambda op: self._trace_issue(op, []))
+        self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages),
+                                 on_issue=self._trace_issue)
         self.l3 = None
         if self.storage is not None:
             keys = make_key_scheme(cfg.key_scheme, engine.layout, engine.coords)
-            store = PageStore(self.storage, engine.layout, keys, engine.coords, cp_mode=cfg.cp_transfer)
+            traced = TracedStorage(self.storage, engine.coords, self.storage_name)
+            store = PageStore(traced, engine.layout, keys, engine.coords, cp_mode=cfg.cp_transfer)
             self.l3 = StorageTier(self.cache, store, cfg)
 
     # -- admission and completion ------------------------------------------------------------
@@ -79,9 +81,7 @@ class HiCachePlugin(KVPlugin):
             return False
         host_tokens = match.host_tokens
         if match.host_nodes:
-            load = cache.load(match.host_nodes, fresh[: host_tokens // ps])
-            req.loads = [load]
-            self._trace_issue(load, [req.id])
+            req.loads = [cache.load(match.host_nodes, fresh[: host_tokens // ps], req.id)]
             l3_tokens = sum(n.num_pages for n in match.host_nodes if n.fetched) * ps
             for n in match.host_nodes:
                 n.fetched = False
@@ -107,7 +107,6 @@ class HiCachePlugin(KVPlugin):
             return False
         req.prefetch = op
         self._prefetching[req.id] = req
-        self._trace_issue(op, [req.id])
         return True
 
     async def layer_ready(self, reqs: list[Request], layer: int) -> None:
@@ -163,7 +162,7 @@ class HiCachePlugin(KVPlugin):
             await self._settle(op)
             cache.release_op(op)
             if l3 is not None:
-                self._trace_issue(l3.backup(op), [])
+                l3.backup(op)
         for op in cache.loads.retire(agreed[LOAD]):
             await self._settle(op)
             cache.release_op(op)

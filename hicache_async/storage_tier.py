@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from opentelemetry import trace
+
 from .agreement import PREFETCH_SLOTS
 from .cache import TieredCache
 from .config import CacheConfig
@@ -21,6 +23,7 @@ from .radix import Node
 class StorageTier:
     def __init__(self, cache: TieredCache, store: PageStore, config: CacheConfig) -> None:
         self.cache, self.store, self.config = cache, store, config
+        self.on_issue = cache.on_issue
         self.backups = AckQueue("backup")
         self.prefetches = AckQueue("prefetch")
         self._workers = ThreadPoolExecutor(config.storage_workers, thread_name_prefix="hicache-l3")
@@ -35,6 +38,7 @@ class StorageTier:
                        hashes=write.hashes, host_pages=write.host_pages)
         self.cache.tree.lock_host(write.node)
         self.cache.note("backup", write.node.id, write.pages)
+        self.on_issue(op, [])
         self._workers.submit(self._run, op, self.store.backup, op.hashes, self.cache.host, op.host_pages)
         self.backups.push(op)
         return op
@@ -56,6 +60,7 @@ class StorageTier:
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
                        first_page=first_page,
                        deadline=time.monotonic() + self.config.prefetch_timeout(n * self.config.page_size))
+        self.on_issue(op, [request_id])
         self._workers.submit(self._run, op, self.store.prefetch, hashes[first_page:], self.cache.host,
                              pages, op.cancel)
         self.prefetches.push(op)
@@ -64,7 +69,8 @@ class StorageTier:
     @staticmethod
     def _run(op: StorageOp, call, *args) -> None:
         try:
-            op.result = call(*args)
+            with trace.use_span(op.span, end_on_exit=False):   # storage spans nest under the op
+                op.result = call(*args)
         except Exception as exc:   # noqa: BLE001 - a worker must always complete its event
             op.result = exc
         finally:
