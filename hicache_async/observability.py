@@ -175,6 +175,19 @@ def add_trace_ids(_logger, _method, event: dict) -> dict:
     return event
 
 
+DEPENDENCIES = ("torch", "urllib3", "opentelemetry", "mooncake", "asyncio")
+
+
+def _route_dependencies() -> None:
+    """Dependencies that installed their own stderr handlers (torch does, once its logging
+    initialises) would bypass the pipeline: send their records up to the root handler."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and name.split(".")[0] in DEPENDENCIES:
+            for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+                logger.removeHandler(handler)
+            logger.propagate = True
+
+
 def configure_logging(*, coords: RankCoords | None = None, run_id: str | None = None,
                       json_lines: bool = False, level: str = "INFO") -> None:
     """One stderr pipeline for structlog and stdlib `logging`; repeat calls replace it."""
@@ -211,3 +224,4 @@ def configure_logging(*, coords: RankCoords | None = None, run_id: str | None = 
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
+    _route_dependencies()

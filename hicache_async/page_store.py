@@ -12,8 +12,7 @@ the full KV of its pages.
 
 Every object carries a checksum, computed on backup and verified on prefetch. A batch moves
 in one storage call; its checksums are split across a small shared thread pool and the
-calling thread (xxhash releases the GIL). A prefetch asks storage for the objects directly,
-without an existence probe: the first missing object ends the leading run.
+calling thread (xxhash releases the GIL).
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ from .topology import RankCoords
 
 CP_MODES = ("split", "rank0")
 T = TypeVar("T")
-PREFETCH_CHUNK_PAGES = 64  # pages per prefetch round; `cancel` is honoured between rounds
+PREFETCH_CHUNK_PAGES = 64  # pages per storage call; `cancel` is honoured between calls
 PARALLEL_BYTES = 1 << 20   # below this many payload bytes, checksums stay on the calling thread
 CHECKSUM_WORKERS = max(1, min(4, os.cpu_count() or 1) - 1)  # the calling thread makes one more
 
@@ -206,12 +205,18 @@ class PageStore:
         result = PrefetchResult()
         if not page_hashes:
             return result
-        self._register(host)
         specs = [self.keys.objects(h) for h in page_hashes]
-        for start in range(0, len(specs), PREFETCH_CHUNK_PAGES):
+        try:
+            present = self.adapter.batch_exists([s.key for ss in specs for s in ss]) // len(specs[0])
+        except StorageError:
+            present = 0
+            result.errors += 1
+        if present:
+            self._register(host)
+        for start in range(0, present, PREFETCH_CHUNK_PAGES):
             if cancel is not None and cancel.is_set():
                 break
-            stop = min(start + PREFETCH_CHUNK_PAGES, len(specs))
+            stop = min(start + PREFETCH_CHUNK_PAGES, present)
             good = self._read_chunk(specs[start:stop], host, host_pages[start:stop], result)
             result.pages += good
             if good < stop - start:

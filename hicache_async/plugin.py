@@ -12,7 +12,7 @@ from . import telemetry
 from .agreement import BACKUP, LOAD, PAGES, PREFETCH, WRITE, LocalAgreement, pack
 from .cache import TieredCache
 from .config import CacheConfig
-from .errors import PoolExhausted
+from .errors import PoolExhausted, UsageError
 from .keys import make_key_scheme, page_hashes
 from .ops import TIERS, CacheOp
 from .page_store import PageStore
@@ -43,7 +43,7 @@ class HiCachePlugin(KVPlugin):
         self.engine = engine
         cfg = self.config
         if engine.layout.page_size != cfg.page_size:
-            raise ValueError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
+            raise UsageError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
         self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages),
                                  on_issue=self._trace_issue)
         self.l3 = None

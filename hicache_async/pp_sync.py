@@ -86,9 +86,12 @@ class PipelineAgreement:
         dist.all_gather(digests, torch.tensor([own]), group=g.agree)
         values = [int(d) for d in digests]
         majority = max(set(values), key=values.count)
-        odd = [f"rank {r}" for r, v in zip(ranks, values) if v != majority]
-        raise DivergenceError(f"cache divergence at step {step}: {', '.join(odd)} made different cache "
-                              f"decisions than the other first-stage ranks")
+        if values.count(majority) * 2 > len(values):
+            odd = [f"rank {r}" for r, v in zip(ranks, values) if v != majority]
+            raise DivergenceError(f"cache divergence at step {step}: {', '.join(odd)} made different "
+                                  f"cache decisions than the other first-stage ranks")
+        seen = ", ".join(f"rank {r} {v:#x}" for r, v in zip(ranks, values))
+        raise DivergenceError(f"cache divergence at step {step}: first-stage ranks disagree ({seen})")
 
     def close(self) -> None:
         """Flush the sends still out: a downstream stage is waiting for them. Dropping a gloo

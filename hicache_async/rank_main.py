@@ -10,7 +10,7 @@ from .engine.model import ModelConfig, TinyModel
 from .engine.scheduler import IDLE_WAIT_S, Scheduler
 from .engine.workload import Workload, WorkloadSpec
 from .observability import setup_telemetry
-from .plugin import HiCachePlugin
+from .plugin_api import load_plugin
 from .pp_sync import PipelineAgreement
 from .storage.base import open_storage
 from .trace_file import part_path
@@ -43,7 +43,8 @@ async def _run(ctx) -> dict:
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
     agreement = (LocalAgreement() if ctx.coords.world_size == 1
                  else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
-    plugin = HiCachePlugin(cache_cfg, storage, storage_spec["name"] if storage_spec else "none", agreement)
+    plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
+                         storage_name=storage_spec["name"] if storage_spec else "none")
     model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None)
     scheduler = Scheduler(model, plugin, device_pages=cache_cfg.device_pages,
                           page_size=cache_cfg.page_size, run_id=ctx.run_id)

@@ -24,8 +24,8 @@ def test_every_rank_retires_stage_zero_min(tp, pp, cp):
         assert all(r["seen"][step] == want for r in results), step
 
 
-def test_divergence_on_the_first_stage_names_step_and_rank():
-    with pytest.raises(DivergenceError, match=r"step 5: rank 1 made different"):
+def test_divergence_between_two_first_stage_ranks_names_both():
+    with pytest.raises(DivergenceError, match=r"step 5: first-stage ranks disagree \(rank 0 0x6, rank 1 0x3ee\)"):
         launch(tp=2, pp=1, cp=1, target="tests.agreement_targets:diverge",
                payload={"steps": 20, "odd_rank": 1, "at": 5}, timeout_s=20)
 

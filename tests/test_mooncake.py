@@ -97,6 +97,32 @@ def test_master_killed_mid_run_then_back(tmp_path):
             adapter.close()
 
 
+def test_objects_outlive_the_client_that_wrote_them(mooncake_master):
+    hashes = page_hashes(range(7000, 7032), 4)
+    host = _host(seed=5)
+    with MooncakeStorage(mooncake_master.address, mooncake_master.metadata_url) as writer:
+        store = PageStore(writer, LAYOUT, make_key_scheme("unified", LAYOUT, RankCoords()))
+        assert store.backup(hashes, host, list(range(8))).ok == [True] * 8
+    reader = HostPool(LAYOUT, 8)
+    with MooncakeStorage(mooncake_master.address, mooncake_master.metadata_url) as adapter:
+        got = PageStore(adapter, LAYOUT, make_key_scheme("unified", LAYOUT, RankCoords())).prefetch(
+            hashes, reader, list(range(8)))
+    assert (got.pages, got.corrupt) == (8, 0) and torch.equal(reader.tensor, host.tensor)
+
+
+def test_holder_remounts_after_the_master_restarts(tmp_path):
+    with MooncakeMaster(holder_bytes=64 << 20, log_path=str(tmp_path / "master.log")) as master:
+        master.kill_master()
+        master.start()                          # same ports; only the master was down
+        assert master.running()
+        with MooncakeStorage(master.address, master.metadata_url) as adapter:
+            deadline = time.monotonic() + 60
+            while adapter.batch_set(["after-restart"], [b"x" * 100]) != [True]:
+                assert time.monotonic() < deadline, "holder segment not re-mounted within 60 s"
+                time.sleep(0.2)
+            assert adapter.batch_exists(["after-restart"]) == 1
+
+
 def test_unreachable_master_fails_fast():
     port = free_port()
     start = time.monotonic()

@@ -8,6 +8,7 @@ import pytest
 from hicache_async.config import WRITE_POLICIES, CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
+from hicache_async.errors import DivergenceError
 from hicache_async.pp_sync import MAX_IN_FLIGHT_SENDS
 from hicache_async.rank_main import payload_of
 from hicache_async.ranks.launcher import launch
@@ -36,3 +37,11 @@ def test_cached_tokens_match_reference_across_ranks(tp, pp, cp):
         assert first["tokens_from_l2"] > 0, (name, first)
         assert all(r["transfers"] == first["transfers"] for r in reports), name
         assert max(r["most_pending_sends"] for r in reports) <= MAX_IN_FLIGHT_SENDS
+
+
+def test_a_divergent_cache_decision_on_one_rank_is_caught():
+    payload = payload_of(ModelConfig(), CacheConfig(sync_timeout_s=30, **CACHE), SPEC, None)
+    payload["odd_rank"] = 2
+    with pytest.raises(DivergenceError, match=r"cache divergence at step \d+: rank 2 made different"):
+        launch(tp=1, pp=1, cp=3, target="tests.sim_targets:skip_one_insert", payload=payload,
+               timeout_s=30)
