@@ -7,6 +7,7 @@ Ops are issued synchronously from those calls; their completion is only acted on
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from . import telemetry
 from .agreement import BACKUP, LOAD, PAGES, PREFETCH, WRITE, LocalAgreement, pack
@@ -14,7 +15,7 @@ from .cache import TieredCache
 from .config import CacheConfig
 from .errors import PoolExhausted, UsageError
 from .keys import make_key_scheme, page_hashes
-from .ops import TIERS, CacheOp
+from .ops import TIERS, AckQueue, CacheOp
 from .page_store import PageStore
 from .plugin_api import EngineContext, KVPlugin
 from .pool import HostPool
@@ -47,6 +48,7 @@ class HiCachePlugin(KVPlugin):
         self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages),
                                  on_issue=self._trace_issue)
         self.l3 = None
+        self._no_l3 = SimpleNamespace(backups=AckQueue("backup"), prefetches=AckQueue("prefetch"))
         if self.storage is not None:
             keys = make_key_scheme(cfg.key_scheme, engine.layout, engine.coords)
             traced = TracedStorage(self.storage, engine.coords, self.storage_name)
@@ -129,10 +131,9 @@ class HiCachePlugin(KVPlugin):
     def busy(self) -> bool:
         return any(len(q) for q in self._queues())
 
-    def _queues(self):
-        l3 = self.l3
-        return (self.cache.writes, self.cache.loads,
-                l3.backups if l3 else (), l3.prefetches if l3 else ())
+    def _queues(self) -> tuple[AckQueue, AckQueue, AckQueue, AckQueue]:
+        l3 = self.l3 or self._no_l3
+        return self.cache.writes, self.cache.loads, l3.backups, l3.prefetches
 
     # -- the per-step hook ----------------------------------------------------------------
 
@@ -144,15 +145,18 @@ class HiCachePlugin(KVPlugin):
             return
         self._begin_step_span()
         self.agreement.reap()
-        writes, loads, backups, prefetches = self._queues()
+        queues = self._queues()
+        writes, loads, backups, prefetches = queues
         n_prefetch, prefetch_pages = self.l3.prefetch_view() if self.l3 else (0, [])
-        msg = pack((writes.ready(), loads.ready(), backups.ready() if self.l3 else 0, n_prefetch),
-                   prefetch_pages, self.cache.digest)
+        msg = pack((writes.ready(), loads.ready(), backups.ready(), n_prefetch), prefetch_pages,
+                   self.cache.digest)
         with telemetry.pp_sync_span(self.engine.coords, parent=self._step_span) as span:
-            agreed = await self.agreement.agree(msg, self.step, prefetch_pending=bool(self.l3 and len(prefetches)))
+            agreed = await self.agreement.agree(msg, self.step, prefetch_pending=len(prefetches) > 0)
             if span.is_recording():
                 span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed})
         await self._retire(agreed)
+        for queue in queues:
+            self.metrics.queue_depth(queue.kind, len(queue))
         self.most_pending_sends = max(self.most_pending_sends, self.agreement.pending_sends)
         self.step_us.append((time.perf_counter() - start) * 1e6)
 
@@ -174,12 +178,13 @@ class HiCachePlugin(KVPlugin):
         for i, op in enumerate(l3.prefetches.retire(agreed[PREFETCH])):
             if not op.done.query():
                 op.cancel.set()      # the policy terminated it: stop the worker, keep what all have
-            await self._settle(op)
-            pages = l3.retire_prefetch(op, agreed[PAGES + i])
-            self._prefetching.pop(op.request_id).prefetch = None
+            pages = agreed[PAGES + i]
             op.nbytes = pages * cache.host.layout.page_bytes
+            await self._settle(op, {"hicache.pages_committed": pages})
+            l3.retire_prefetch(op, pages)
+            self._prefetching.pop(op.request_id).prefetch = None
 
-    async def _settle(self, op: CacheOp) -> None:
+    async def _settle(self, op: CacheOp, attrs: dict | None = None) -> None:
         """A later stage may retire an op before its own copy finished: await it."""
         if not op.done.query():
             await op.done.wait(self.config.sync_timeout_s,
@@ -189,7 +194,7 @@ class HiCachePlugin(KVPlugin):
         self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
         if op.span is not None:
             telemetry.finish_transfer(op.span, error=error,
-                                      attrs={"hicache.retired_step": self.step})
+                                      attrs={"hicache.retired_step": self.step, **(attrs or {})})
 
     # -- telemetry ----------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ class StorageTier:
         self.cache.tree.lock_host(op.node, -1)
         self._count_errors(op)
 
-    def retire_prefetch(self, op: StorageOp, agreed_pages: int) -> int:
+    def retire_prefetch(self, op: StorageOp, agreed_pages: int) -> None:
         """Graft the agreed pages under the prefix and free the rest.
 
         The caller has awaited the worker (cancelled if the policy terminated it), so the
@@ -119,7 +119,6 @@ class StorageTier:
                                             op.host_pages[:agreed_pages])
         cache.host.alloc.release(unused)
         self._count_errors(op)
-        return agreed_pages
 
     def _count_errors(self, op: StorageOp) -> None:
         if isinstance(op.result, Exception):
