@@ -17,7 +17,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     return {
         "on_step_idle_us": lambda: [core.on_step_idle(2_000 * n)],
         "l1_l2_copy_gbps": lambda: [core.l1_l2_copy(pages=16, reps=2 * n)],
-        "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(steps=300 * n, rounds=3)],
+        "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
         "storage": lambda: storage_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=5 * n)],
