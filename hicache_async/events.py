@@ -39,18 +39,47 @@ class CompletionEvent:
 
 
 class HostEvent(CompletionEvent):
-    """Set by a worker thread when a host-side copy or storage call finishes."""
+    """Set by a worker thread when a host-side copy or storage call finishes.
 
-    __slots__ = ("_flag",)
+    Waiters are woken by the setter through their loop, so awaiting one costs no polling.
+    """
+
+    __slots__ = ("_flag", "_lock", "_waiters")
 
     def __init__(self) -> None:
         self._flag = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     def set(self) -> None:
-        self._flag.set()
+        with self._lock:
+            self._flag.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:     # that loop has closed: its waiter is gone
+                pass
 
     def query(self) -> bool:
         return self._flag.is_set()
+
+    async def wait(self, timeout_s: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._flag.is_set():
+                return
+            future = loop.create_future()
+            self._waiters.append((loop, future))
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class DoneEvent(CompletionEvent):

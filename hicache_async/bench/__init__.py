@@ -16,11 +16,11 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     n = 1 if quick else 4
     return {
         "on_step_idle_us": lambda: [core.on_step_idle(2_000 * n)],
-        "l1_l2_copy_gbps": lambda: [core.l1_l2_copy(pages=16, reps=2 * n)],
+        "l1_l2_copy_gbps": lambda: [core.l1_l2_copy(pages=16, reps=2 * n, rounds=3 + n)],
         "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
         "storage": lambda: storage_figures(quick=quick),
         # Last: it installs a global tracer provider.
-        "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=5 * n)],
+        "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }
 
 

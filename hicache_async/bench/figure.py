@@ -20,9 +20,3 @@ def gbps(nbytes: int, run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
     return nbytes / (time.perf_counter() - start) / 1e9
-
-
-def best_of(reps: int, measure: Callable[[], float], higher_is_better: bool = True) -> float:
-    """Best of `reps` runs: on a noisy machine the best run is the least disturbed."""
-    values = [measure() for _ in range(reps)]
-    return max(values) if higher_is_better else min(values)
