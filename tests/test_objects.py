@@ -87,3 +87,10 @@ def test_checksum_catches_any_flipped_bit_and_swapped_blocks(size):
     if size >= 1024:
         swapped = data[512:1024] + data[:512] + data[1024:]
         assert swapped != data and checksum(swapped) != good
+
+
+def test_an_object_of_another_format_version_is_corrupt():
+    header = bytearray(encode_header("k1", SPEC, "ns", PAYLOAD))
+    header[4] = 1                              # version field, right after the 4-byte magic
+    with pytest.raises(CorruptObject, match="version"):
+        verify("k1", SPEC, "ns", bytes(header), PAYLOAD)
