@@ -121,9 +121,12 @@ class TieredCache:
         if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
             match.host_nodes = []
         if self.config.write_policy == "write_through_selective":
+            # Writing makes host room, which must not evict the host hits just matched.
+            self.tree.lock_host(match.last_node)
             for node in match.device_nodes:
                 if node.hits >= 2 and node.host is None:
                     self.write(node)
+            self.tree.lock_host(match.last_node, -1)
         return match
 
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN
 
 from .agreement import PREFETCH_SLOTS
 from .cache import TieredCache
@@ -69,7 +70,7 @@ class StorageTier:
     @staticmethod
     def _run(op: StorageOp, call, *args) -> None:
         try:
-            with trace.use_span(op.span, end_on_exit=False):   # storage spans nest under the op
+            with trace.use_span(op.span or INVALID_SPAN, end_on_exit=False):  # storage spans nest under it
                 op.result = call(*args)
         except Exception as exc:   # noqa: BLE001 - a worker must always complete its event
             op.result = exc

@@ -88,3 +88,21 @@ def test_eviction_under_pressure_spares_locked_pages():
     assert cache.match(tokens_a).device_pages == pages_a     # locked: still on the device
     assert cache.match(tokens_b).host_tokens == 8            # evicted to the host, not lost
     cache.close()
+
+
+def test_selective_write_on_match_never_evicts_the_host_hits_it_returns():
+    cfg = CacheConfig(device_pages=4, host_pages=1, page_size=4, write_policy="write_through_selective")
+    cache = TieredCache(cfg, DevicePool(LAYOUT, 4), HostPool(LAYOUT, 1))
+    tokens = list(range(8))
+    pages = cache.alloc_device(2)
+    cache.insert(tokens[:4], pages[:1], ["h0"])          # node D: one hit so far
+    lower = cache.tree.insert(tokens, pages, ["h0", "h1"]).new_nodes[0]   # node A below it
+    assert cache.write(lower)                            # A gets the only host page
+    op = cache.writes.retire(1)[0]
+    asyncio.run(op.done.wait(5, "write"))
+    cache.release_op(op)
+    cache.device.alloc.release(cache.tree.evict_device(lower))   # A is now host-only
+    match = cache.match(tokens)                          # D is hit again: selective writes it
+    assert match.host_nodes == [lower] and lower.id in cache.tree.nodes
+    assert lower.host is not None
+    cache.close()
