@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 from .agreement import LocalAgreement
 from .config import CacheConfig
@@ -14,6 +15,8 @@ from .plugin_api import load_plugin
 from .pp_sync import PipelineAgreement
 from .storage.base import open_storage
 from .trace_file import part_path
+
+log = logging.getLogger(__name__)
 
 
 def specs_from(payload: dict) -> tuple[ModelConfig, CacheConfig, WorkloadSpec]:
@@ -56,6 +59,8 @@ async def _run(ctx) -> dict:
         if ctx.coords.rank == 0:
             ctx.progress({"requests_done": done[0]})
 
+    log.debug("rank started: %s, storage %s, key scheme %s", model_cfg.attention,
+             storage_spec["name"] if storage_spec else "none", cache_cfg.key_scheme)
     try:
         await scheduler.run(workload, progress)
         # Drain: keep stepping until every in-flight op retired, identically on every rank.
@@ -67,6 +72,9 @@ async def _run(ctx) -> dict:
         if storage is not None:
             storage.close()
     report = plugin.report()
+    log.debug("rank finished: %d steps, tokens l1 %d l2 %d l3 %d computed %d, storage errors %d",
+             report["steps"], report["tokens_from_l1"], report["tokens_from_l2"],
+             report["tokens_from_l3"], report["tokens_computed"], report["storage_errors"])
     report["outputs"] = {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
     report["forwards"] = scheduler.forwards
     return report

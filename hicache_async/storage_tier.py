@@ -6,6 +6,7 @@ commits only the pages that every rank fetched (MIN), so trees stay identical.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,8 @@ from .events import HostEvent
 from .ops import AckQueue, CacheOp, StorageOp
 from .page_store import PageStore
 from .radix import Node
+
+log = logging.getLogger(__name__)
 
 
 class StorageTier:
@@ -122,10 +125,11 @@ class StorageTier:
         self._count_errors(op)
 
     def _count_errors(self, op: StorageOp) -> None:
-        if isinstance(op.result, Exception):
-            self.errors += 1
-        else:
-            self.errors += getattr(op.result, "errors", 0)
+        failed = 1 if isinstance(op.result, Exception) else getattr(op.result, "errors", 0)
+        if failed:
+            self.errors += failed
+            log.warning("storage %s of %d pages had %d failed calls (%s); the cache carries on "
+                        "without those pages", op.kind, op.pages, failed, op.result)
 
     def close(self) -> None:
         for op in self.prefetches:
