@@ -82,13 +82,6 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-class DoneEvent(CompletionEvent):
-    """Already complete: for ops that had nothing to move."""
-
-    def query(self) -> bool:
-        return True
-
-
 class CudaEvent(CompletionEvent):
     """A `torch.cuda.Event` recorded on a copy stream after the op's kernels."""
 

@@ -10,7 +10,6 @@ from typing import Any
 from .events import CompletionEvent
 from .radix import Node
 
-KINDS = ("write", "load", "backup", "prefetch")
 TIERS = {"write": ("l1", "l2"), "load": ("l2", "l1"), "backup": ("l2", "l3"), "prefetch": ("l3", "l2")}
 
 

@@ -65,11 +65,6 @@ class Match:
         nodes = self.host_nodes or self.device_nodes
         return nodes[-1] if nodes else None
 
-    @property
-    def last_hash(self) -> str | None:
-        node = self.last_node
-        return node.hashes[-1] if node else None
-
 
 @dataclass
 class Inserted:
