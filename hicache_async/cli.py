@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefetch-threshold", type=_non_negative, default=256, metavar="TOKENS")
     sim.add_argument("--key-scheme", choices=KEY_SCHEMES, default="rank-suffix")
     sim.add_argument("--cp-transfer", choices=("split", "rank0"), default="split")
+    sim.add_argument("--storage-optional", action="store_true",
+                     help="if the storage is unreachable at start, warn and run on L1/L2 only")
     sim.add_argument("--seed", type=_non_negative, default=0)
     sim.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
     sim.add_argument("--json", metavar="PATH")
@@ -105,7 +107,7 @@ def _simulate(ns: argparse.Namespace) -> int:
                         storage_path=ns.storage_path, mooncake_master=ns.mooncake_master,
                         mooncake_metadata=ns.mooncake_metadata,
                         requests=ns.requests, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file,
-                        log_json=ns.log_json)
+                        log_json=ns.log_json, storage_optional=ns.storage_optional)
     result = run(args, cache, spec, model)
     print_summary(result)
     if ns.json:

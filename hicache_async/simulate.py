@@ -15,7 +15,7 @@ from tqdm import tqdm
 from .config import CacheConfig
 from .engine.model import ModelConfig
 from .engine.workload import WorkloadSpec
-from .errors import HiCacheError, UsageError
+from .errors import HiCacheError, StorageError, UsageError
 from .ranks.launcher import launch
 from .rank_main import payload_of
 from .reference import reference_outputs
@@ -40,6 +40,7 @@ class SimulateArgs:
     timeout_s: float = 60.0
     trace_file: str | None = None
     log_json: bool = False
+    storage_optional: bool = False
 
 
 def default_storage_path() -> str:
@@ -72,7 +73,7 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
             world = args.tp * args.pp * args.cp
             merge_trace_files([part_path(args.trace_file, r) for r in range(world)], args.trace_file)
     reference = reference_outputs(model, spec, cache.page_size)
-    return summarize(args, reports, reference, run_id, cached_s)
+    return summarize(args, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
 
 
 @contextlib.contextmanager
@@ -95,7 +96,15 @@ def _storage(args: SimulateArgs):
             raise HiCacheError(f"--storage mooncake needs the mooncake extra: {exc}") from None
         if args.mooncake_master:
             metadata_url = args.mooncake_metadata or default_metadata_url(args.mooncake_master)
-            check_reachable(args.mooncake_master, metadata_url)  # one clear error, before any rank starts
+            try:
+                check_reachable(args.mooncake_master, metadata_url)  # one clear error, before any rank
+            except StorageError as exc:
+                if not args.storage_optional:
+                    raise
+                print(f"hicache-async: warning: {exc}; running on L1/L2 only (--storage-optional)",
+                      file=sys.stderr)
+                yield None
+                return
             yield {"name": "mooncake", "options": {"master": args.mooncake_master, "metadata_url": metadata_url}}
             return
         with MooncakeMaster() as master:
@@ -113,14 +122,16 @@ def default_metadata_url(master: str) -> str:
     return f"http://{host}:8080/metadata"
 
 
-def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float) -> dict:
+def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,
+              storage_used: str) -> dict:
     first = reports[0]
     ranks_agree = all(r["outputs"] == first["outputs"] for r in reports)
     step_us = [us for r in reports for us in r["step_us"]]
     cuts = statistics.quantiles(step_us, n=100) if len(step_us) > 1 else [0.0] * 99
     out = {
         "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-        "attention": args.attention, "storage": args.storage, "run_id": run_id,
+        "attention": args.attention, "storage": args.storage, "storage_used": storage_used,
+        "run_id": run_id,
         "requests": len(first["outputs"]), "prompt_tokens": first["prompt_tokens"],
         **{k: first[k] for k in TIERS},
         "outputs_match_reference": ranks_agree and first["outputs"] == reference,

@@ -63,6 +63,19 @@ def test_unreachable_master_exits_1_with_one_line(tmp_path):
     assert time.monotonic() - started < 30
 
 
+def test_unreachable_master_degrades_to_l1_l2_when_asked(tmp_path):
+    port = free_port()
+    out = tmp_path / "degraded.json"
+    proc = subprocess.run([*CLI, "simulate", *SMALL, "--storage", "mooncake", "--storage-optional",
+                           "--mooncake-master", f"127.0.0.1:{port}", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert f"127.0.0.1:{port} unreachable; running on L1/L2 only" in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["storage_used"] == "none" and result["outputs_match_reference"]
+    assert result["tokens_from_l3"] == 0 and result["tokens_from_l2"] + result["tokens_from_l1"] > 0
+
+
 def _puts(master: MooncakeMaster) -> int:
     """Batch puts the master has served, from its Prometheus metrics (0 while unreadable)."""
     try:
