@@ -7,6 +7,8 @@ decision is folded into `digest`, which the agreement compares across ranks.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .config import CacheConfig
 from .ops import AckQueue, CacheOp
@@ -34,6 +36,15 @@ class TieredCache:
         """Fold one cache decision into the running digest (62 bits, so -digest fits)."""
         h = hashlib.blake2b(repr((self.digest, decision)).encode(), digest_size=8).digest()
         self.digest = int.from_bytes(h, "little") >> 2
+
+    @contextmanager
+    def holding(self, node: Node | None) -> Iterator[None]:
+        """Pin `node`'s path while making room, so eviction cannot take what the caller holds."""
+        self.tree.pin(node)
+        try:
+            yield
+        finally:
+            self.tree.pin(node, -1)
 
     # -- allocation --------------------------------------------------------------------------
 
@@ -84,8 +95,7 @@ class TieredCache:
         self.note("write", node.id, node.num_pages)
         events = self.copier.write(node.device, pages)
         node.host = pages
-        self.tree.lock_device(node)
-        self.tree.lock_host(node)
+        self.tree.pin(node)
         op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
                      hashes=list(node.hashes), host_pages=list(pages))
         self.on_issue(op, [])
@@ -101,8 +111,7 @@ class TieredCache:
         for n in nodes:
             n.device = device_pages[i: i + n.num_pages]
             i += n.num_pages
-        self.tree.lock_device(nodes[-1])
-        self.tree.lock_host(nodes[-1])
+        self.tree.pin(nodes[-1])
         op = CacheOp("load", nodes[-1], events, len(host_pages),
                      len(host_pages) * self.host.layout.page_bytes)
         self.on_issue(op, [request_id])
@@ -111,8 +120,7 @@ class TieredCache:
 
     def release_op(self, op: CacheOp) -> None:
         """Retire a write or load: its pages may be evicted again."""
-        self.tree.lock_device(op.node, -1)
-        self.tree.lock_host(op.node, -1)
+        self.tree.pin(op.node, -1)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -121,12 +129,10 @@ class TieredCache:
         if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
             match.host_nodes = []
         if self.config.write_policy == "write_through_selective":
-            # Writing makes host room, which must not evict the host hits just matched.
-            self.tree.lock_host(match.last_node)
-            for node in match.device_nodes:
-                if node.hits >= 2 and node.host is None:
-                    self.write(node)
-            self.tree.lock_host(match.last_node, -1)
+            with self.holding(match.last_node):   # making host room must keep the hits
+                for node in match.device_nodes:
+                    if node.hits >= 2 and node.host is None:
+                        self.write(node)
         return match
 
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:

@@ -74,13 +74,11 @@ class HiCachePlugin(KVPlugin):
             if self._start_prefetch(req, tokens, match, cached_pages):
                 return False
         lock = match.last_node
-        cache.tree.lock_device(lock)
-        cache.tree.lock_host(lock)     # the host hits must survive the evictions below
-        fresh = cache.alloc_device(need - len(match.device_pages))
-        cache.tree.lock_host(lock, -1)
+        with cache.holding(lock):      # the hits must survive the evictions that make room
+            fresh = cache.alloc_device(need - len(match.device_pages))
         if fresh is None:
-            cache.tree.lock_device(lock, -1)
             return False
+        cache.tree.lock_device(lock)   # pinned on the device for the request's life
         host_tokens = match.host_tokens
         if match.host_nodes:
             req.loads = [cache.load(match.host_nodes, fresh[: host_tokens // ps], req.id)]

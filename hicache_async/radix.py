@@ -175,6 +175,11 @@ class RadixTree:
             n.host_lock += delta
             assert n.host_lock >= 0, f"host lock of node {n.id} went negative"
 
+    def pin(self, node: Node | None, delta: int = 1) -> None:
+        """Lock (or unlock) `node`'s path on both tiers: an op in flight, or a graft point."""
+        self.lock_device(node, delta)
+        self.lock_host(node, delta)
+
     # -- eviction ------------------------------------------------------------------------
 
     def device_leaves(self) -> list[Node]:

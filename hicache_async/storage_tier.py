@@ -51,14 +51,11 @@ class StorageTier:
                  hashes: list[str]) -> StorageOp | None:
         """Fetch pages `first_page..` of `tokens` into fresh host pages; None if no room."""
         n = len(hashes) - first_page
-        tree = self.cache.tree
-        tree.lock_device(parent)      # lock first: making room must not evict what we graft onto
-        tree.lock_host(parent)
-        pages = self.cache.alloc_host(n)
+        with self.cache.holding(parent):      # making room must not evict what we graft onto
+            pages = self.cache.alloc_host(n)
         if pages is None:
-            tree.lock_device(parent, -1)
-            tree.lock_host(parent, -1)
             return None
+        self.cache.tree.pin(parent)
         self.cache.note("prefetch", request_id, first_page, n)
         op = StorageOp("prefetch", parent, [HostEvent()], n, n * self.cache.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
@@ -114,8 +111,7 @@ class StorageTier:
         host pages are quiet and are freed at the same step on every rank.
         """
         cache = self.cache
-        cache.tree.lock_device(op.node, -1)
-        cache.tree.lock_host(op.node, -1)
+        cache.tree.pin(op.node, -1)
         cache.note("prefetch-done", op.request_id, agreed_pages)
         unused = op.host_pages[agreed_pages:]
         if agreed_pages:
