@@ -10,7 +10,7 @@ import asyncio
 
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig, TinyModel
-from hicache_async.engine.scheduler import IDLE_WAIT_S, Scheduler
+from hicache_async.engine.scheduler import Scheduler
 from hicache_async.engine.workload import Workload, WorkloadSpec
 from hicache_async.plugin import HiCachePlugin
 from hicache_async.storage.memory import MemoryStorage
@@ -24,11 +24,9 @@ async def main() -> None:
                           page_size=cache.page_size)
     workload = Workload(WorkloadSpec(requests=16))
     try:
+        # Returns once every request finished and every in-flight transfer retired.
         await scheduler.run(workload, on_finish=lambda req: print(f"request {req.id}: "
                                                                   f"{req.cached} cached prompt tokens"))
-        while plugin.busy():            # let in-flight transfers retire before closing
-            await plugin.on_step()
-            await asyncio.sleep(IDLE_WAIT_S)
     finally:
         plugin.close()
     report = plugin.report()

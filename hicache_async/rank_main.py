@@ -1,14 +1,13 @@
 """What one simulated rank runs: the reference engine with the HiCache plugin on a workload."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 
 from .agreement import LocalAgreement
 from .config import CacheConfig
 from .engine.model import ModelConfig, TinyModel
-from .engine.scheduler import IDLE_WAIT_S, Scheduler
+from .engine.scheduler import Scheduler
 from .engine.workload import Workload, WorkloadSpec
 from .observability import setup_telemetry
 from .plugin_api import load_plugin
@@ -63,10 +62,6 @@ async def _run(ctx) -> dict:
              storage_spec["name"] if storage_spec else "none", cache_cfg.key_scheme)
     try:
         await scheduler.run(workload, progress)
-        # Drain: keep stepping until every in-flight op retired, identically on every rank.
-        while plugin.busy():
-            await plugin.on_step()
-            await asyncio.sleep(IDLE_WAIT_S)
     finally:
         plugin.close()
         if storage is not None:
@@ -75,6 +70,6 @@ async def _run(ctx) -> dict:
     log.debug("rank finished: %d steps, tokens l1 %d l2 %d l3 %d computed %d, storage errors %d",
              report["steps"], report["tokens_from_l1"], report["tokens_from_l2"],
              report["tokens_from_l3"], report["tokens_computed"], report["storage_errors"])
-    report["outputs"] = {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
+    report["outputs"] = workload.results()
     report["forwards"] = scheduler.forwards
     return report

@@ -15,4 +15,4 @@ def reference_outputs(model_cfg: ModelConfig, spec: WorkloadSpec, page_size: int
                           device_pages=pages_per_request * spec.concurrency)
     workload = Workload(spec)
     asyncio.run(scheduler.run(workload))
-    return {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
+    return workload.results()

@@ -2,7 +2,7 @@
 import asyncio
 
 from hicache_async.engine.model import ModelConfig, TinyModel
-from hicache_async.engine.scheduler import IDLE_WAIT_S, Scheduler
+from hicache_async.engine.scheduler import Scheduler
 from hicache_async.engine.workload import Workload, WorkloadSpec
 from hicache_async.plugin import HiCachePlugin
 from hicache_async.reference import reference_outputs
@@ -13,17 +13,11 @@ def run_cached(plugin: HiCachePlugin, spec: WorkloadSpec, model: ModelConfig) ->
     scheduler = Scheduler(TinyModel(model), plugin, device_pages=cfg.device_pages, page_size=cfg.page_size)
     workload = Workload(spec)
 
-    async def main():
-        await scheduler.run(workload)
-        while plugin.busy():
-            await plugin.on_step()
-            await asyncio.sleep(IDLE_WAIT_S)
-
     try:
-        asyncio.run(main())
+        asyncio.run(scheduler.run(workload))
     finally:
         plugin.close()
-    return {f"{c}:{t}": out for (c, t), out in sorted(workload.outputs.items())}
+    return workload.results()
 
 
 def assert_matches_reference(plugin, spec, model) -> dict:

@@ -31,6 +31,14 @@ class Scheduler:
         self.forwards = 0
 
     async def run(self, workload: Workload, on_finish: Callable[[Request], None] | None = None) -> None:
+        """Serve the whole workload, then keep stepping until the plugin's in-flight ops retired
+        (the same number of steps on every rank, since `busy()` agrees everywhere)."""
+        await self._serve(workload, on_finish)
+        while self.plugin.busy():
+            await self.plugin.on_step()
+            await asyncio.sleep(IDLE_WAIT_S)
+
+    async def _serve(self, workload: Workload, on_finish: Callable[[Request], None] | None) -> None:
         waiting: deque[Request] = deque()
         running: list[Request] = []
         plugin = self.plugin

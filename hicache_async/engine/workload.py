@@ -80,6 +80,10 @@ class Workload:
         else:
             self._start_next()
 
+    def results(self) -> dict[str, list[int]]:
+        """Generated tokens per "conversation:turn", in a stable order, for comparing runs."""
+        return {f"{c}:{t}": out for (c, t), out in sorted(self.outputs.items())}
+
     @property
     def done(self) -> bool:
         return len(self.outputs) == self.spec.requests
