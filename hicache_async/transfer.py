@@ -37,39 +37,35 @@ class Copier:
             self._worker.shutdown(wait=True)
 
     def _run(self, kind: str, device_pages: list[int], host_pages: list[int]) -> list[CompletionEvent]:
-        if self.cuda:
-            return self._run_cuda(kind, device_pages, host_pages)
-        events = [HostEvent() for _ in range(self.layers)]
-        self._worker.submit(self._copy_layers, kind, runs(device_pages, host_pages), events)
-        return events
-
-    def _copy_layers(self, kind: str, page_runs: list[tuple[int, int, int]],
-                     events: list[HostEvent]) -> None:
-        d, h = self.device.tensor, self.host.tensor
-        for layer, event in enumerate(events):
-            for dp, hp, n in page_runs:
-                if kind == "write":
-                    h[hp:hp + n, layer].copy_(d[layer, dp:dp + n])
-                else:
-                    d[layer, dp:dp + n].copy_(h[hp:hp + n, layer])
-            event.set()
-
-    def _run_cuda(self, kind: str, device_pages: list[int], host_pages: list[int]) -> list[CompletionEvent]:
+        page_runs = runs(device_pages, host_pages)
+        if not self.cuda:
+            events = [HostEvent() for _ in range(self.layers)]
+            self._worker.submit(self._copy_layers, kind, page_runs, events)
+            return events
         stream = self._streams[kind]
         # The copy must see every kernel the compute stream queued before it.
         stream.wait_stream(torch.cuda.current_stream())
-        d, h = self.device.tensor, self.host.tensor
-        events: list[CompletionEvent] = []
-        page_runs = runs(device_pages, host_pages)
+        cuda_events: list[CompletionEvent] = []
         with torch.cuda.stream(stream):
             for layer in range(self.layers):
-                for dp, hp, n in page_runs:
-                    if kind == "write":
-                        h[hp:hp + n, layer].copy_(d[layer, dp:dp + n], non_blocking=True)
-                    else:
-                        d[layer, dp:dp + n].copy_(h[hp:hp + n, layer], non_blocking=True)
-                events.append(CudaEvent(stream))
-        return events
+                self._copy_layer(kind, layer, page_runs, non_blocking=True)
+                cuda_events.append(CudaEvent(stream))
+        return cuda_events
+
+    def _copy_layers(self, kind: str, page_runs: list[tuple[int, int, int]],
+                     events: list[HostEvent]) -> None:
+        for layer, event in enumerate(events):
+            self._copy_layer(kind, layer, page_runs, non_blocking=False)
+            event.set()
+
+    def _copy_layer(self, kind: str, layer: int, page_runs: list[tuple[int, int, int]],
+                    non_blocking: bool) -> None:
+        d, h = self.device.tensor, self.host.tensor
+        for dp, hp, n in page_runs:
+            if kind == "write":
+                h[hp:hp + n, layer].copy_(d[layer, dp:dp + n], non_blocking=non_blocking)
+            else:
+                d[layer, dp:dp + n].copy_(h[hp:hp + n, layer], non_blocking=non_blocking)
 
 
 def runs(device_pages: list[int], host_pages: list[int]) -> list[tuple[int, int, int]]:
