@@ -42,7 +42,7 @@ async def diverge(ctx) -> dict:
     return {}
 
 
-def stage_zero_min(world: int, tp: int, cp: int, step: int) -> list[int]:
+def stage_zero_min(tp: int, cp: int, step: int) -> list[int]:
     """What `counts` must agree on: the MIN over stage 0's ranks."""
     low = min((r * 3 + step) % 5 for r in range(tp * cp))
     return [low, low + 1]

@@ -18,16 +18,10 @@ RANK_FIELDS = {"rank": 5, "tp_rank": 1, "pp_rank": 1, "cp_rank": 0}
 
 
 @pytest.fixture(autouse=True)
-def fresh_logging(monkeypatch):
-    """No OTLP env, and give back the root logger and structlog as they were."""
+def fresh_logging(monkeypatch, restore_logging):
+    """No OTLP env; the root logger and structlog are given back afterwards."""
     for var in [v for v in os.environ if v.startswith("OTEL_")]:
         monkeypatch.delenv(var)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.reset_defaults()
 
 
 def json_lines(text: str) -> list[dict]:

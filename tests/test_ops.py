@@ -11,7 +11,7 @@ from hicache_async.events import HostEvent
 from hicache_async.layout import KVLayout
 from hicache_async.ops import AckQueue, CacheOp
 from hicache_async.pool import DevicePool, HostPool, PageAllocator
-from hicache_async.transfer import Copier
+from hicache_async.transfer import Copier, runs
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
 
@@ -106,3 +106,8 @@ def test_selective_write_on_match_never_evicts_the_host_hits_it_returns():
     assert match.host_nodes == [lower] and lower.id in cache.tree.nodes
     assert lower.host is not None
     cache.close()
+
+
+def test_page_runs_coalesce_only_when_both_sides_are_consecutive():
+    assert runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert runs([1, 2], [5, 3]) == [(1, 5, 1), (2, 3, 1)]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -10,8 +9,7 @@ import sys
 import time
 
 import pytest
-import structlog
-from otlp_receiver import OTLPReceiver, otlp_receiver  # noqa: F401 (fixture)
+from otlp_receiver import otlp_receiver  # noqa: F401 (fixture)
 
 from hicache_async.errors import UsageError
 from hicache_async.observability import _otlp_exporter, setup_telemetry
@@ -182,17 +180,6 @@ def test_shutdown_is_bounded_when_the_collector_is_down():
     start = time.monotonic()
     run_ranks({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}, ranks=(0,), timeout=90)
     assert time.monotonic() - start < 12
-
-
-@pytest.fixture
-def restore_logging():
-    """setup_telemetry configures logging before it validates exporters: undo it."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.reset_defaults()
 
 
 @pytest.mark.usefixtures("restore_logging")

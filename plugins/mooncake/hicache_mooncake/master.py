@@ -180,28 +180,16 @@ class MooncakeMaster:
         holder, self._holder = self._holder, None
         proc, self._proc = self._proc, None
         for p in (holder, proc):
-            if p is None:
-                continue
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=5)
-            if p.stdout is not None:
-                p.stdout.close()
+            if p is not None:
+                _stop(p)
+                if p.stdout is not None:
+                    p.stdout.close()
 
     def restart(self) -> None:
         """Bring the master back on the same ports; the holder re-mounts by itself."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        if proc is not None:
+            _stop(proc)
         self.start()
 
     def __enter__(self) -> "MooncakeMaster":
@@ -219,3 +207,14 @@ def _last_line(f) -> str:
     except (OSError, ValueError):
         return ""
     return f": {lines[-1]}" if lines else ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate, then kill after 5 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
