@@ -16,7 +16,6 @@ calling thread (xxhash releases the GIL).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from .errors import StorageError, UsageError
 from .keys import KeyScheme, ObjectSpec
 from .layout import KVLayout
 from .partition import cp_page_slice
-from .pool import HostPool
+from .pool import HostPool, tensor_bytes
 from .storage.base import MISSING, StorageAdapter
 from .storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
 from .topology import RankCoords
@@ -106,11 +105,6 @@ class StoreCounters:
         with self._lock:
             for name, value in deltas.items():
                 setattr(self, name, getattr(self, name) + value)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
-    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 
 class PageStore:

@@ -9,6 +9,11 @@ from .errors import PoolExhausted, UsageError
 from .layout import KVLayout
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
 class PageAllocator:
     """Free list of page indices; says clearly which tier ran out and by how much."""
 
@@ -68,7 +73,7 @@ class HostPool:
 
     def page_bytes(self, page: int) -> memoryview:
         """The page's bytes, without a copy."""
-        return memoryview((ctypes.c_ubyte * self.layout.page_bytes).from_address(self.page_ptr(page)))
+        return tensor_bytes(self.tensor[page])
 
     def page_ptr(self, page: int) -> int:
         return self.tensor[page].data_ptr()

@@ -14,7 +14,8 @@ import torch
 from ..errors import HiCacheError
 from ..keys import make_key_scheme, page_hashes
 from ..layout import KVLayout
-from ..page_store import PageStore, tensor_bytes
+from ..page_store import PageStore
+from ..pool import tensor_bytes
 from ..pool import HostPool
 from ..storage.file import FileStorage
 from .figure import figure, gbps, skipped
