@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from . import faults
 from .config import KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from .errors import HiCacheError, UsageError
 
@@ -113,6 +114,19 @@ def _simulate(ns: argparse.Namespace) -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=2)
+    return _verdict(result)
+
+
+def _verdict(result: dict) -> int:
+    """A run passes only when its KV, its ranks and its tokens all check out."""
+    if result["kv_mismatches"]:
+        more = result["kv_mismatches"] - 1
+        print(f"hicache-async: error: {result['kv_first_mismatch']}"
+              + (f" (and {more} more mismatched pages)" if more else ""), file=sys.stderr)
+        return 1
+    if not result["ranks_agree"]:
+        print("hicache-async: error: ranks made different cache decisions", file=sys.stderr)
+        return 1
     if not result["outputs_match_reference"]:
         print("hicache-async: error: cached outputs differ from the cache-less reference", file=sys.stderr)
         return 1
@@ -135,6 +149,7 @@ def _bench(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         ns = build_parser().parse_args(argv)
+        faults.injected()       # an unknown fault name is a usage error before any work starts
         return {"simulate": _simulate, "bench": _bench}[ns.command](ns)
     except UsageError as exc:
         print(f"hicache-async: error: {exc}", file=sys.stderr)

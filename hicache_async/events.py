@@ -18,7 +18,12 @@ _MAX_SLEEP_S = 1e-3
 
 
 class CompletionEvent:
-    """Base: subclasses say whether the work is done; waiting is shared."""
+    """Base: subclasses say whether the work is done; waiting is shared.
+
+    A completed event may carry an `error`: the work failed and its data must not be used.
+    """
+
+    error: BaseException | None = None
 
     def query(self) -> bool:
         raise NotImplementedError
@@ -44,12 +49,18 @@ class HostEvent(CompletionEvent):
     Waiters are woken by the setter through their loop, so awaiting one costs no polling.
     """
 
-    __slots__ = ("_flag", "_lock", "_waiters")
+    __slots__ = ("_flag", "_lock", "_waiters", "error")
 
     def __init__(self) -> None:
         self._flag = threading.Event()
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Complete with an error: the work will never happen, so waiters must not wait for it."""
+        self.error = error
+        self.set()
 
     def set(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import torch
 
+from . import faults
 from .errors import StorageError, UsageError
 from .keys import KeyScheme, ObjectSpec
 from .layout import KVLayout
@@ -88,6 +89,7 @@ class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
     corrupt: int = 0      # objects that failed verification (treated as misses)
+    missing: int = 0      # objects the existence probe saw that were gone when read
     errors: int = 0       # failed storage calls
 
 
@@ -96,6 +98,7 @@ class StoreCounters:
     """Cumulative over the store's life; updated under a lock, read freely."""
 
     corrupt_objects: int = 0
+    missing_objects: int = 0
     storage_errors: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -114,6 +117,7 @@ class PageStore:
             raise UsageError(f"unknown cp mode {cp_mode!r}: expected split or rank0")
         self.adapter, self.layout, self.keys, self.coords = adapter, layout, keys, coords
         self.cp_mode = cp_mode
+        self.fault = faults.injected()
         self.namespace = layout.namespace()
         self.counters = StoreCounters()
         self._registered: dict[int, torch.Tensor] = {}  # held, so an address is never reused
@@ -162,7 +166,11 @@ class PageStore:
         keys, payloads, owners = [], [], []
         for i, page_specs in zip(mine[result.skipped:], specs[result.skipped:]):
             for spec in page_specs:
-                payloads.append((spec, self._slot(host, host_pages[i], spec).contiguous()))
+                payload = self._slot(host, host_pages[i], spec).contiguous()
+                if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
+                    payload = payload.clone()
+                    payload.view(-1)[0] += 1.0
+                payloads.append((spec, payload))
                 keys.append(spec.key)
                 owners.append(i)
         parts = [part for chunk in _parallel(lambda r: self._encode(payloads[r.start:r.stop]),
@@ -216,7 +224,7 @@ class PageStore:
             if good < stop - start:
                 break
         self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt,
-                          storage_errors=result.errors)
+                          missing_objects=result.missing, storage_errors=result.errors)
         return result
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, host_pages: list[int],
@@ -246,6 +254,7 @@ class PageStore:
             sizes += group_sizes
             if end is not None:
                 result.corrupt += end == "corrupt"
+                result.missing += end == "missing"
                 break
         good = len(sizes) // per_page
         result.bytes += sum(sizes[:good * per_page])

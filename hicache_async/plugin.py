@@ -22,6 +22,7 @@ from .pool import HostPool
 from .request import Request
 from .storage.traced import TracedStorage
 from .storage_tier import StorageTier
+from .transfer import CopyFailed
 
 
 class HiCachePlugin(KVPlugin):
@@ -37,6 +38,7 @@ class HiCachePlugin(KVPlugin):
         self.transfers = {kind: 0 for kind in TIERS}
         self.metrics = telemetry.CacheMetrics()
         self._prefetching: dict[int, Request] = {}
+        self._origins: dict[int, list[str]] = {}     # request id -> tier of each cached page
         self._step_span = None
         self.most_pending_sends = 0
 
@@ -80,16 +82,19 @@ class HiCachePlugin(KVPlugin):
             return False
         cache.tree.lock_device(lock)   # pinned on the device for the request's life
         host_tokens = match.host_tokens
+        origin = ["l1"] * len(match.device_pages)
         if match.host_nodes:
             req.loads = [cache.load(match.host_nodes, fresh[: host_tokens // ps], req.id)]
             l3_tokens = sum(n.num_pages for n in match.host_nodes if n.fetched) * ps
             for n in match.host_nodes:
+                origin += ["l3" if n.fetched else "l2"] * n.num_pages
                 n.fetched = False
             self._count("tokens_from_l3", l3_tokens)
             self._count("tokens_from_l2", host_tokens - l3_tokens)
         req.pages = match.device_pages + fresh
         req.cached = req.kv_len = match.device_tokens + host_tokens
         req.lock = lock
+        self._origins[req.id] = origin
         self._trace_admission(req, match.device_tokens, host_tokens)
         self._count("tokens_from_l1", match.device_tokens)
         self._count("tokens_computed", len(req.prompt) - req.cached)
@@ -109,6 +114,9 @@ class HiCachePlugin(KVPlugin):
         self._prefetching[req.id] = req
         return True
 
+    def kv_origin(self, req: Request) -> list[str]:
+        return self._origins.get(req.id, [])
+
     async def layer_ready(self, reqs: list[Request], layer: int) -> None:
         for req in reqs:
             for op in req.loads:
@@ -116,6 +124,9 @@ class HiCachePlugin(KVPlugin):
                 if not event.query():
                     await event.wait(self.config.sync_timeout_s,
                                      f"{self.engine.coords.label()}: load of layer {layer}")
+                if event.error is not None:
+                    raise CopyFailed(f"{self.engine.coords.label()}: load op of {op.pages} pages for "
+                                     f"request {req.id} failed: {event.error}")
 
     def finish(self, req: Request) -> None:
         ps = self.config.page_size
@@ -125,6 +136,7 @@ class HiCachePlugin(KVPlugin):
         self.cache.device.alloc.release(duplicates + req.pages[full:])
         self.cache.tree.lock_device(req.lock, -1)
         req.pages, req.loads, req.lock = [], [], None
+        self._origins.pop(req.id, None)
 
     def busy(self) -> bool:
         return any(len(q) for q in self._queues())
@@ -187,12 +199,22 @@ class HiCachePlugin(KVPlugin):
         if not op.done.query():
             await op.done.wait(self.config.sync_timeout_s,
                                f"{self.engine.coords.label()}: {op.kind} op at step {self.step}")
+        if op.done.error is not None:
+            raise CopyFailed(f"{self.engine.coords.label()}: {op.kind} op of {op.pages} pages failed: "
+                             f"{op.done.error}")
         self.transfers[op.kind] += 1
-        error = op.result if isinstance(getattr(op, "result", None), Exception) else None
+        result = getattr(op, "result", None)
+        error = result if isinstance(result, Exception) else None
+        failed = {f"hicache.{name}": getattr(result, name, 0) for name in ("errors", "corrupt", "missing")
+                  if result is not None}
+        for reason in ("corrupt", "missing"):
+            if failed.get(f"hicache.{reason}"):
+                self.metrics.bad_objects(reason, failed[f"hicache.{reason}"])
         self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
         if op.span is not None:
-            telemetry.finish_transfer(op.span, error=error,
-                                      attrs={"hicache.retired_step": self.step, **(attrs or {})})
+            outcome = "error" if error is not None or any(failed.values()) else "ok"
+            telemetry.finish_transfer(op.span, result=outcome, error=error,
+                                      attrs={"hicache.retired_step": self.step, **failed, **(attrs or {})})
 
     # -- telemetry ----------------------------------------------------------------------
 
@@ -225,8 +247,13 @@ class HiCachePlugin(KVPlugin):
             self.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
 
     def report(self) -> dict:
+        counters = self.l3.store.counters if self.l3 else None
         return {**self.stats, "transfers": dict(self.transfers), "steps": self.step,
-                "storage_errors": self.l3.errors if self.l3 else 0,
+                "digest": self.cache.digest, "storage_errors": self.l3.errors if self.l3 else 0,
+                "corrupt_objects": counters.corrupt_objects if counters else 0,
+                "missing_objects": counters.missing_objects if counters else 0,
+                "l3_bytes_written": counters.bytes_written if counters else 0,
+                "l3_bytes_read": counters.bytes_read if counters else 0,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "step_us": self.step_us}
 

@@ -40,6 +40,10 @@ class KVPlugin:
         """The request is done: keep what is worth caching and free the rest."""
         raise NotImplementedError
 
+    def kv_origin(self, req: Request) -> list[str]:
+        """The tier ("l1", "l2", "l3") each of `req`'s cached pages came from, for error reports."""
+        return []
+
     def busy(self) -> bool:
         """Whether ops are in flight, i.e. whether a failed admission may succeed later."""
         return False

@@ -6,6 +6,8 @@ import logging
 
 from .agreement import LocalAgreement
 from .config import CacheConfig
+from .engine.kv_record import RecordedKV
+from .engine.kv_witness import KVCheck
 from .engine.model import ModelConfig, TinyModel
 from .engine.scheduler import Scheduler
 from .engine.workload import Workload, WorkloadSpec
@@ -39,6 +41,16 @@ async def run_rank(ctx) -> dict:
         telemetry.shutdown()
 
 
+def _kv_check(ctx, model: TinyModel, page_size: int) -> KVCheck | None:
+    """Checks cached pages against the reference run's recorded KV, when the payload names it."""
+    path = ctx.payload.get("kv_reference")
+    if not path:
+        return None
+    layout = model.kv_layout(page_size)
+    truth = RecordedKV(path, layout)
+    return KVCheck(truth.expected, page_size, layout.num_layers, layout.first_layer, ctx.coords, exact=False)
+
+
 async def _run(ctx) -> dict:
     model_cfg, cache_cfg, spec = specs_from(ctx.payload)
     storage_spec = ctx.payload.get("storage")
@@ -47,9 +59,11 @@ async def _run(ctx) -> dict:
                  else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
     plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
                          storage_name=storage_spec["name"] if storage_spec else "none")
-    model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None)
+    model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None,
+                      timeout_s=cache_cfg.sync_timeout_s)
+    check = _kv_check(ctx, model, cache_cfg.page_size)
     scheduler = Scheduler(model, plugin, device_pages=cache_cfg.device_pages,
-                          page_size=cache_cfg.page_size, run_id=ctx.run_id)
+                          page_size=cache_cfg.page_size, run_id=ctx.run_id, witness=check)
     workload = Workload(spec)
     done = [0]
 
@@ -70,6 +84,8 @@ async def _run(ctx) -> dict:
     log.debug("rank finished: %d steps, tokens l1 %d l2 %d l3 %d computed %d, storage errors %d",
              report["steps"], report["tokens_from_l1"], report["tokens_from_l2"],
              report["tokens_from_l3"], report["tokens_computed"], report["storage_errors"])
+    if check is not None:
+        report.update(check.report())
     report["outputs"] = workload.results()
     report["forwards"] = scheduler.forwards
     return report

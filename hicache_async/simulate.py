@@ -6,6 +6,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from .engine.workload import WorkloadSpec
 from .errors import HiCacheError, StorageError, UsageError
 from .ranks.launcher import launch
 from .rank_main import payload_of
-from .reference import reference_outputs
+from .reference import reference_run
 from .topology import check_topology
 from .trace_file import merge_trace_files, part_path
 
 TIERS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
+STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")
 
 
 @dataclass
@@ -57,10 +59,13 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
     if spec.max_prompt() // cache.page_size + 1 > cache.device_pages:
         raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
                          f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
-    with _storage(args) as storage:
+    reference, recorder = reference_run(model, spec, cache.page_size)
+    with _storage(args) as storage, tempfile.TemporaryDirectory(prefix="hicache-kv-") as kv_dir:
         payload = payload_of(model, cache, spec, storage)
         payload["trace_file"] = args.trace_file
         payload["log_json"] = args.log_json
+        payload["kv_reference"] = os.path.join(kv_dir, "reference")
+        recorder.save(payload["kv_reference"])
         run_id = uuid.uuid4().hex[:16]
         started = time.perf_counter()
         with tqdm(total=spec.requests, desc=f"simulate tp{args.tp} pp{args.pp} cp{args.cp}",
@@ -72,7 +77,6 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
         if args.trace_file:
             world = args.tp * args.pp * args.cp
             merge_trace_files([part_path(args.trace_file, r) for r in range(world)], args.trace_file)
-    reference = reference_outputs(model, spec, cache.page_size)
     return summarize(args, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
 
 
@@ -125,7 +129,11 @@ def default_metadata_url(master: str) -> str:
 def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,
               storage_used: str) -> dict:
     first = reports[0]
-    ranks_agree = all(r["outputs"] == first["outputs"] for r in reports)
+    # Outputs are broadcast from the last stage, so they agree by construction; the cache
+    # decisions (digest, transfers) are each rank's own and must agree too.
+    ranks_agree = all(r["digest"] == first["digest"] and r["transfers"] == first["transfers"]
+                      for r in reports)
+    mismatch = next((r["kv_first_mismatch"] for r in reports if r["kv_first_mismatch"]), None)
     step_us = [us for r in reports for us in r["step_us"]]
     cuts = statistics.quantiles(step_us, n=100) if len(step_us) > 1 else [0.0] * 99
     out = {
@@ -134,12 +142,15 @@ def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: 
         "run_id": run_id,
         "requests": len(first["outputs"]), "prompt_tokens": first["prompt_tokens"],
         **{k: first[k] for k in TIERS},
-        "outputs_match_reference": ranks_agree and first["outputs"] == reference,
+        "outputs_match_reference": first["outputs"] == reference,
         "ranks_agree": ranks_agree,
+        "kv_verified_pages": sum(r["kv_verified_pages"] for r in reports),
+        "kv_mismatches": sum(r["kv_mismatches"] for r in reports),
+        "kv_first_mismatch": mismatch,
         "steps": first["steps"], "forwards": first["forwards"],
         "on_step_us_p50": round(cuts[49], 1), "on_step_us_p99": round(cuts[98], 1),
         "transfers": first["transfers"],
-        "storage_errors": sum(r["storage_errors"] for r in reports),
+        **{k: sum(r[k] for r in reports) for k in STORAGE_COUNTS},
         "dropped_pages": first["dropped_pages"],
         "most_pending_sends": max(r["most_pending_sends"] for r in reports),
         "seconds": round(seconds, 2),
@@ -157,9 +168,14 @@ def print_summary(result: dict, file=None) -> None:
           f"cp{result['cp']}), {result['attention']}, storage {result['storage']}", file=file)
     print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
         f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
-    print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}", file=file)
+    print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}, corrupt objects "
+          f"{result['corrupt_objects']}, missing objects {result['missing_objects']}, L3 bytes written "
+          f"{result['l3_bytes_written']}, read {result['l3_bytes_read']}", file=file)
     print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
           f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)
     verdict = "yes" if result["outputs_match_reference"] else "NO"
+    print(f"  KV verified against the reference: {result['kv_verified_pages']} pages, "
+          f"{result['kv_mismatches']} mismatches; ranks agree: {'yes' if result['ranks_agree'] else 'NO'}",
+          file=file)
     print(f"  outputs match the cache-less reference: {verdict}; run id {result['run_id']} "
           f"(the hicache.run_id attribute of its traces)", file=file)

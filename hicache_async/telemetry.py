@@ -192,6 +192,9 @@ class CacheMetrics:
             "hicache.transfer.duration", unit="s", description="Time from issue to retirement of a transfer")
         self._storage_errors = meter.create_counter(
             "hicache.storage.errors", unit="{error}", description="Failed storage batch calls")
+        self._bad_objects = meter.create_counter(
+            "hicache.storage.bad_objects", unit="{object}",
+            description="Stored objects read back corrupt or missing (each a miss, never used)")
         self._queue_depth = meter.create_gauge(
             "hicache.queue.depth", unit="{op}", description="Ops waiting in a transfer queue")
 
@@ -207,6 +210,9 @@ class CacheMetrics:
 
     def storage_error(self, backend: str, op: str) -> None:
         self._storage_errors.add(1, {"hicache.storage.backend": backend, "hicache.storage.op": op})
+
+    def bad_objects(self, reason: str, n: int) -> None:
+        self._bad_objects.add(n, {"hicache.storage.reason": reason})
 
     def queue_depth(self, kind: str, depth: int) -> None:
         self._queue_depth.set(depth, {"hicache.transfer.kind": kind})

@@ -10,8 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import faults
+from .errors import HiCacheError
 from .events import CompletionEvent, CudaEvent, HostEvent
 from .pool import DevicePool, HostPool
+
+
+class CopyFailed(HiCacheError):
+    """A layer copy raised: its op's events complete with this error instead of hanging."""
 
 
 class Copier:
@@ -19,6 +25,7 @@ class Copier:
         self.device, self.host = device, host
         self.layers = device.layout.num_layers
         self.cuda = device.tensor.is_cuda
+        self.fault = faults.injected()
         if self.cuda:
             self._streams = {"write": torch.cuda.Stream(), "load": torch.cuda.Stream()}
         else:
@@ -37,6 +44,8 @@ class Copier:
             self._worker.shutdown(wait=True)
 
     def _run(self, kind: str, device_pages: list[int], host_pages: list[int]) -> list[CompletionEvent]:
+        if kind == "load" and self.fault == "swap-load-pages" and len(device_pages) > 1:
+            device_pages = [device_pages[1], device_pages[0], *device_pages[2:]]
         page_runs = runs(device_pages, host_pages)
         if not self.cuda:
             events = [HostEvent() for _ in range(self.layers)]
@@ -55,7 +64,16 @@ class Copier:
     def _copy_layers(self, kind: str, page_runs: list[tuple[int, int, int]],
                      events: list[HostEvent]) -> None:
         for layer, event in enumerate(events):
-            self._copy_layer(kind, layer, page_runs, non_blocking=False)
+            try:
+                if kind == "write" and self.fault == "copy-error":
+                    self.fault = None
+                    raise RuntimeError(f"injected fault ({faults.ENV}=copy-error)")
+                self._copy_layer(kind, layer, page_runs, non_blocking=False)
+            except Exception as exc:  # noqa: BLE001 - a failed copy must complete its events
+                error = CopyFailed(f"layer {layer} copy failed: {type(exc).__name__}: {exc}")
+                for later in events[layer:]:
+                    later.fail(error)
+                return
             event.set()
 
     def _copy_layer(self, kind: str, layer: int, page_runs: list[tuple[int, int, int]],
@@ -66,6 +84,8 @@ class Copier:
                 h[hp:hp + n, layer].copy_(d[layer, dp:dp + n], non_blocking=non_blocking)
             else:
                 d[layer, dp:dp + n].copy_(h[hp:hp + n, layer], non_blocking=non_blocking)
+                if self.fault == "noise-load":
+                    d[layer, dp:dp + n] *= 1 + 1e-3 * torch.randn_like(d[layer, dp:dp + n])
 
 
 def runs(device_pages: list[int], host_pages: list[int]) -> list[tuple[int, int, int]]:

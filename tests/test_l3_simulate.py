@@ -7,13 +7,13 @@ from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
 from hicache_async.rank_main import payload_of
 from hicache_async.ranks.launcher import launch
-from hicache_async.reference import reference_outputs
 from tests.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
+from tests.reference_kv import assert_kv_verified, reference
 
 SPEC = WorkloadSpec(requests=24, turns=4, system_prompts=2, system_len=32, user_len=(8, 16),
                     max_new=4, concurrency=6)
 CACHE = dict(device_pages=24, host_pages=40, page_size=8, prefetch_threshold=8, sync_timeout_s=60)
-REFERENCE = reference_outputs(ModelConfig(), SPEC, CACHE["page_size"])
+REFERENCE, KV_REFERENCE = reference(ModelConfig(), SPEC, CACHE["page_size"])
 TOPOLOGIES = [(2, 2, 1), (1, 1, 2)]
 
 
@@ -21,15 +21,19 @@ def _check(results, runs):
     for name in runs:
         reports = [r[name] for r in results]
         first = reports[0]
-        assert all(r["outputs"] == first["outputs"] for r in reports), name
+        assert all(r["digest"] == first["digest"] for r in reports), name
         assert first["outputs"] == REFERENCE, name
+        assert_kv_verified(reports, name)
         assert first["tokens_from_l3"] > 0, (name, first)
         assert sum(r["storage_errors"] for r in reports) == 0, name
 
 
 def _runs(storage: dict) -> dict:
-    return {scheme: payload_of(ModelConfig(), CacheConfig(key_scheme=scheme, **CACHE), SPEC, storage)
+    runs = {scheme: payload_of(ModelConfig(), CacheConfig(key_scheme=scheme, **CACHE), SPEC, storage)
             for scheme in ("rank-suffix", "unified")}
+    for payload in runs.values():
+        payload["kv_reference"] = KV_REFERENCE
+    return runs
 
 
 @pytest.mark.parametrize("tp,pp,cp", TOPOLOGIES)

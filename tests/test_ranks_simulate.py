@@ -12,13 +12,12 @@ from hicache_async.errors import DivergenceError
 from hicache_async.pp_sync import MAX_IN_FLIGHT_SENDS
 from hicache_async.rank_main import payload_of
 from hicache_async.ranks.launcher import launch
-from hicache_async.reference import reference_outputs
+from tests.reference_kv import assert_kv_verified, reference
 
 SPEC = WorkloadSpec(requests=8, turns=4, system_prompts=1, system_len=32, user_len=(8, 16),
                     max_new=4, concurrency=2)
 CACHE = dict(device_pages=14, host_pages=32, page_size=8)
-REFERENCE = {att: reference_outputs(ModelConfig(attention=att), SPEC, CACHE["page_size"])
-             for att in ("mha", "mla")}
+REFERENCE = {att: reference(ModelConfig(attention=att), SPEC, CACHE["page_size"]) for att in ("mha", "mla")}
 
 
 @pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)])
@@ -27,13 +26,16 @@ def test_cached_tokens_match_reference_across_ranks(tp, pp, cp):
                                           CacheConfig(write_policy=policy, sync_timeout_s=60, **CACHE),
                                           SPEC, None)
             for att in ("mha", "mla") for policy in WRITE_POLICIES}
+    for name, payload in runs.items():
+        payload["kv_reference"] = REFERENCE[name.split("/")[0]][1]
     results = launch(tp=tp, pp=pp, cp=cp, target="tests.sim_targets:matrix", payload={"runs": runs},
                      timeout_s=60)
     for name in runs:
         reports = [r[name] for r in results]
         first = reports[0]
-        assert all(r["outputs"] == first["outputs"] for r in reports), name
-        assert first["outputs"] == REFERENCE[name.split("/")[0]], name
+        assert all(r["digest"] == first["digest"] for r in reports), name
+        assert first["outputs"] == REFERENCE[name.split("/")[0]][0], name
+        assert_kv_verified(reports, name)
         assert first["tokens_from_l2"] > 0, (name, first)
         assert all(r["transfers"] == first["transfers"] for r in reports), name
         assert max(r["most_pending_sends"] for r in reports) <= MAX_IN_FLIGHT_SENDS

@@ -15,6 +15,7 @@ from ..errors import PoolExhausted
 from ..plugin_api import EngineContext, KVPlugin
 from ..pool import DevicePool
 from ..request import Request
+from .kv_witness import KVWitness
 from .model import SeqChunk, TinyModel
 from .workload import Workload
 
@@ -23,8 +24,9 @@ IDLE_WAIT_S = 2e-4
 
 class Scheduler:
     def __init__(self, model: TinyModel, plugin: KVPlugin, *, device_pages: int, page_size: int,
-                 run_id: str = "local") -> None:
+                 run_id: str = "local", witness: KVWitness | None = None) -> None:
         self.model, self.plugin = model, plugin
+        self.witness = witness or KVWitness()
         layout = model.kv_layout(page_size)
         self.pool = DevicePool(layout, device_pages)
         plugin.attach(EngineContext(layout, self.pool, model.coords, run_id, model.groups))
@@ -56,8 +58,10 @@ class Scheduler:
                 continue
             running += admitted
             batch = [self._chunk(r) for r in running]
-            tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(running))
+            tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(running, admitted))
             self.forwards += 1
+            for req in admitted:
+                self.witness.after_prefill(req, self.pool.tensor)
             still = []
             for req, chunk, token in zip(running, batch, tokens):
                 req.kv_len = chunk.end
@@ -78,11 +82,17 @@ class Scheduler:
             return SeqChunk(req.prompt[req.kv_len:], req.kv_len, req.pages)
         return SeqChunk([req.output[-1]], req.kv_len, req.pages)
 
-    def _layer_ready(self, running: list[Request]):
+    def _layer_ready(self, running: list[Request], admitted: list[Request]):
+        """The forward pass's per-layer hook: wait for loads, then let the witness see the cached
+        pages of newly admitted requests before the layer reads them."""
         waiting = [r for r in running if r.loads]
-        if not waiting:
+        reused = [r for r in admitted if r.cached]
+        if not waiting and not reused:
             return None
 
         async def ready(layer: int) -> None:
-            await self.plugin.layer_ready(waiting, layer)
+            if waiting:
+                await self.plugin.layer_ready(waiting, layer)
+            for req in reused:
+                self.witness.before_read(req, layer, self.pool.tensor[layer], self.plugin.kv_origin(req))
         return ready

@@ -1,0 +1,59 @@
+"""The reference run's KV, recorded per page so cached runs on any topology can check theirs.
+
+On disk: `<path>.json` (page hashes in row order, the page shape, the dtype) and `<path>.bin`
+(raw rows of [layers, planes, page_size, kv_heads, dim] for the whole model). Read back with
+a memory map: raw bytes with a header we wrote, never unpickled.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from ..keys import page_hashes
+from ..layout import KVLayout
+from ..request import Request
+from .kv_witness import KVWitness
+
+
+class KVRecorder(KVWitness):
+    """Keeps the KV of every full prompt page the reference computes, first time seen."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.pages: dict[str, torch.Tensor] = {}
+
+    def after_prefill(self, req: Request, kv: torch.Tensor) -> None:
+        ps = self.page_size
+        for i, h in enumerate(page_hashes(req.prompt, ps)):
+            if h not in self.pages:
+                self.pages[h] = kv[:, req.pages[i]].clone()
+
+    def save(self, path: str) -> None:
+        rows = list(self.pages.values())
+        shape = list(rows[0].shape) if rows else []
+        with open(path + ".json", "w") as f:
+            json.dump({"hashes": list(self.pages), "page_shape": shape, "dtype": "float32"}, f)
+        if rows:
+            torch.stack(rows).to(torch.float32).numpy().tofile(path + ".bin")
+
+
+class RecordedKV:
+    """The recorded truth, sliced to one rank's layers and heads."""
+
+    def __init__(self, path: str, layout: KVLayout) -> None:
+        with open(path + ".json") as f:
+            meta = json.load(f)
+        self.row = {h: i for i, h in enumerate(meta["hashes"])}
+        shape = (len(self.row), *meta["page_shape"])
+        data = np.memmap(path + ".bin", dtype=np.float32, mode="r", shape=shape) if self.row else None
+        self._data = data
+        self._layers = slice(layout.first_layer, layout.first_layer + layout.num_layers)
+        self._heads = slice(layout.first_head, layout.first_head + layout.kv_heads)
+
+    def expected(self, hashes: list[str], first_page: int, layer: int) -> torch.Tensor:
+        """Recorded KV of these pages for local layer `layer`: [pages, planes, ps, heads, dim]."""
+        rows = [self.row[h] for h in hashes]
+        global_layer = self._layers.start + layer
+        return torch.from_numpy(np.ascontiguousarray(self._data[rows, global_layer, :, :, self._heads]))
