@@ -60,26 +60,27 @@ def write_json_atomic(path: str, doc: dict) -> None:
 
 
 class OTLPJsonFileExporter(SpanExporter):
-    """Keeps every exported span and rewrites the file after each batch.
+    """Appends each batch as one line: an OTLP/JSON document (the collector's file format).
 
-    Rewriting keeps the file a valid document at all times, so a rank that dies still
-    leaves the spans it had exported.
+    Appending costs the batch, not the file so far; a rank that dies mid-write leaves every
+    earlier line whole, and the merge skips a torn last line.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._entries: list[dict] = []
         self._lock = threading.Lock()
         self._closed = False
-        write_json_atomic(path, {"resourceSpans": []})
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        open(path, "w").close()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        line = json.dumps({"resourceSpans": spans_to_otlp_json(spans)}, separators=(",", ":")) + "\n"
         with self._lock:
             if self._closed:
                 return SpanExportResult.FAILURE
-            self._entries.extend(spans_to_otlp_json(spans))
             try:
-                write_json_atomic(self.path, {"resourceSpans": self._entries})
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(line)
             except OSError:
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
@@ -97,22 +98,40 @@ def part_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}.part"
 
 
-def merge_trace_files(parts: list[str], path: str) -> int:
-    """Merge per-rank part files into one document at `path`; returns the span count.
-
-    A missing part (a rank that died before its first export) is skipped.
-    """
+def read_part(part: str) -> list[dict]:
+    """The `resourceSpans` entries of a part file; a torn last line is skipped."""
+    with open(part, encoding="utf-8") as f:
+        lines = f.read().split("\n")
     entries: list[dict] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            if number == len(lines):   # no newline after it: the writer died mid-line
+                break
+            raise HiCacheError(f"trace part {part} line {number} is not JSON: {e}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans"), list):
+            raise HiCacheError(f"trace part {part} line {number} is not OTLP JSON: no resourceSpans list")
+        entries.extend(doc["resourceSpans"])
+    return entries
+
+
+def merge_trace_files(parts: list[str], path: str) -> int:
+    """Merge per-rank part files into one document at `path`, then remove the parts; returns
+    the span count. A missing part (a rank that died before its first export) is skipped."""
+    entries: list[dict] = []
+    found = []
     for part in parts:
         try:
-            with open(part, encoding="utf-8") as f:
-                doc = json.load(f)
+            entries.extend(read_part(part))
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise HiCacheError(f"cannot read trace part {part}: {e}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans"), list):
-            raise HiCacheError(f"trace part {part} is not OTLP JSON: no resourceSpans list")
-        entries.extend(doc["resourceSpans"])
+        found.append(part)
     write_json_atomic(path, {"resourceSpans": entries})
+    for part in found:
+        os.unlink(part)
     return sum(len(s.get("spans", ())) for e in entries for s in e.get("scopeSpans", ()))

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from hicache_async.errors import HiCacheError
 from hicache_async.telemetry import step_context
-from hicache_async.trace_file import OTLPJsonFileExporter, merge_trace_files, part_path
+from hicache_async.trace_file import OTLPJsonFileExporter, merge_trace_files, part_path, read_part
 
 RANK = r"""
 import json, sys
@@ -57,6 +57,9 @@ def hex_to_b64(doc: dict) -> dict:
 
 
 def load(path) -> TracesData:
+    """A merged trace file, or a rank's part file (one document per line)."""
+    if str(path).endswith(".part"):
+        return ParseDict(hex_to_b64({"resourceSpans": read_part(str(path))}), TracesData())
     with open(path, encoding="utf-8") as f:
         return ParseDict(hex_to_b64(json.load(f)), TracesData())
 
@@ -69,12 +72,11 @@ def spans_of(data: TracesData) -> list[tuple[dict, object]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trace")
-    paths = [part_path(str(folder / "trace.json"), r) for r in (0, 1)]
+@pytest.fixture
+def parts(tmp_path):
+    paths = [part_path(str(tmp_path / "trace.json"), r) for r in (0, 1)]
     emitted = [write_part(r, p) for r, p in enumerate(paths)]
-    return folder, paths, emitted
+    return tmp_path, paths, emitted
 
 
 def test_part_file_parses_as_otlp_and_ids_round_trip(parts):
@@ -91,28 +93,28 @@ def test_part_file_parses_as_otlp_and_ids_round_trip(parts):
         assert transfer.kind == 1 and len(transfer.links) == 1
 
 
-def test_merged_file_keeps_every_rank(parts, tmp_path):
+def test_merged_file_keeps_every_rank_and_removes_the_parts(parts):
     folder, paths, emitted = parts
-    merged = tmp_path / "merged.json"
-    assert merge_trace_files([str(p) for p in paths] + [str(folder / "missing.json")], str(merged)) == 4
+    merged = folder / "trace.json"
+    assert merge_trace_files([str(p) for p in paths] + [str(folder / "missing.part")], str(merged)) == 4
     spans = spans_of(load(merged))
     steps = {int(res["parallel.rank"].int_value): s for res, s in spans if s.name == "hicache.step"}
     assert {r: s.span_id.hex() for r, s in steps.items()} == {
         r: e["hicache.step"] for r, e in enumerate(emitted)}
     assert steps[0].trace_id == steps[1].trace_id
-    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []
+    assert sorted(os.listdir(folder)) == ["trace.json"]
 
 
 def test_merge_names_a_malformed_part(tmp_path):
-    bad = tmp_path / "rank1.json"
-    bad.write_text('{"data": []}')
-    with pytest.raises(HiCacheError, match="rank1.json"):
+    bad = tmp_path / "rank1.part"
+    bad.write_text('{"data": []}\n')
+    with pytest.raises(HiCacheError, match="rank1.part line 1"):
         merge_trace_files([str(bad)], str(tmp_path / "out.json"))
     assert not (tmp_path / "out.json").exists()
 
 
-def test_file_is_a_valid_document_after_every_batch(tmp_path):
-    path = tmp_path / "part.json"
+def test_each_batch_is_appended_whole_and_a_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "trace.json.rank0.part"
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(OTLPJsonFileExporter(str(path))))
     tracer = provider.get_tracer("test")
@@ -121,7 +123,11 @@ def test_file_is_a_valid_document_after_every_batch(tmp_path):
         with tracer.start_as_current_span(f"batch{n}"):
             pass
         assert [s.name for _, s in spans_of(load(path))] == [f"batch{i}" for i in range(1, n + 1)]
+        assert path.read_text().count("\n") == n      # one line a batch: appended, never rewritten
     provider.shutdown()
+    with open(path, "a") as f:
+        f.write('{"resourceSpans": [{"scopeSp')   # a rank killed mid-write
+    assert [s.name for _, s in spans_of(load(path))] == ["batch1", "batch2"]
 
 
 def test_example_writes_a_transfer_linked_to_two_requests(tmp_path):

@@ -200,7 +200,7 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
     """Entry point of a rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_text)
-    _die_with_parent(spec["parent_pid"])
+    die_with_parent(spec["parent_pid"])
     coords = RankCoords.of(rank, spec["tp"], spec["pp"], spec["cp"])
 
     def send(message: dict) -> None:
@@ -254,7 +254,7 @@ def _one_line(coords: RankCoords, exc: Exception) -> str:
     return text if text.startswith(coords.label()) else f"{coords.label()}: {text}"
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when the parent dies; exit now if it already has."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from hicache_async.errors import StorageError
+from hicache_async.ranks.launcher import die_with_parent
 
 
 def find_master_binary() -> str:
@@ -123,7 +124,7 @@ class MooncakeMaster:
                  "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                  f"--http_metadata_server_port={self.http_port}",
                  f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}"],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_dies_with_us())
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
@@ -147,7 +148,7 @@ class MooncakeMaster:
                 [sys.executable, "-m", "hicache_mooncake.holder", "--master", self.address,
                  "--metadata-url", self.metadata_url, "--segment-bytes", str(self.holder_bytes),
                  "--local-hostname", self.host],
-                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=_dies_with_us(),
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     filter(None, [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")]))})
             deadline = time.monotonic() + self.start_timeout_s
@@ -207,6 +208,13 @@ def _last_line(f) -> str:
     except (OSError, ValueError):
         return ""
     return f": {lines[-1]}" if lines else ""
+
+
+def _dies_with_us():
+    """A Popen preexec_fn: the child is SIGKILLed when this process dies, even by SIGKILL, so a
+    killed CLI never leaves a master or holder behind."""
+    parent = os.getpid()
+    return lambda: die_with_parent(parent)
 
 
 def _stop(proc: subprocess.Popen) -> None:
