@@ -52,7 +52,7 @@ class TieredCache:
         """`n` device pages, evicting LRU leaves; None if that is not possible this step."""
         alloc = self.device.alloc
         while alloc.free < n:
-            for node in self.tree.device_leaves():
+            for node in self.tree.lru_device_leaves():
                 if node.host is not None:
                     self.note("evict-device", node.id)
                     alloc.release(self.tree.evict_device(node))
@@ -71,11 +71,11 @@ class TieredCache:
     def alloc_host(self, n: int) -> list[int] | None:
         alloc = self.host.alloc
         while alloc.free < n:
-            leaves = self.tree.host_leaves()
-            if not leaves:
+            node = next(self.tree.lru_host_leaves(), None)
+            if node is None:
                 return None
-            self.note("evict-host", leaves[0].id)
-            self._drop(leaves[0])
+            self.note("evict-host", node.id)
+            self._drop(node)
         self.note("alloc-host", n)
         return alloc.alloc(n)
 
@@ -94,7 +94,7 @@ class TieredCache:
             return False
         self.note("write", node.id, node.num_pages)
         events = self.copier.write(node.device, pages)
-        node.host = pages
+        self.tree.set_host(node, pages)
         self.tree.pin(node)
         op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
                      hashes=list(node.hashes), host_pages=list(pages))
@@ -109,7 +109,7 @@ class TieredCache:
         events = self.copier.load(host_pages, device_pages)
         i = 0
         for n in nodes:
-            n.device = device_pages[i: i + n.num_pages]
+            self.tree.set_device(n, device_pages[i: i + n.num_pages])
             i += n.num_pages
         self.tree.pin(nodes[-1])
         op = CacheOp("load", nodes[-1], events, len(host_pages),

@@ -6,15 +6,24 @@ Invariants the plugin relies on (and the property tests check):
 - a locked node is never evicted from the tier its lock protects;
 - every LRU decision uses a logical clock and node ids, never wall time, so identical
   call sequences on different ranks give identical trees.
+
+Eviction candidates are kept in two `LruLeaves` sets updated as the tree changes, so no
+operation costs more than the pages it touches plus O(log n) per node it re-files.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from .lru_leaves import LruLeaves
 
 
 class Node:
+    """One run of pages. Residency, locks and `last_access` change only through `RadixTree`
+    methods, which keep the tree's LRU leaf sets in step with them."""
+
     __slots__ = ("id", "parent", "children", "tokens", "hashes", "device", "host",
-                 "device_lock", "host_lock", "last_access", "hits", "fetched")
+                 "device_lock", "host_lock", "last_access", "hits", "fetched", "device_children")
 
     def __init__(self, node_id: int, parent: "Node | None", tokens: tuple[int, ...],
                  hashes: list[str], device: list[int] | None, host: list[int] | None) -> None:
@@ -30,6 +39,7 @@ class Node:
         self.last_access = 0
         self.hits = 0
         self.fetched = False    # came from L3 and not yet used: its first hit counts as L3
+        self.device_children = 0   # children with a device copy: a device leaf has none
 
     @property
     def num_pages(self) -> int:
@@ -82,6 +92,8 @@ class RadixTree:
         self._next_id = 1
         self.clock = 0
         self.nodes: dict[int, Node] = {}
+        self._device_leaves = LruLeaves()
+        self._host_leaves = LruLeaves()
 
     # -- lookup and insertion --------------------------------------------------------------
 
@@ -90,7 +102,7 @@ class RadixTree:
         match = Match(page_size=self.page_size)
         self.clock += 1
         for node in self._walk(tokens):
-            node.last_access = self.clock
+            self._touch(node)
             node.hits += 1
             if node.device is not None and not match.host_nodes:
                 match.device_nodes.append(node)
@@ -112,17 +124,16 @@ class RadixTree:
         node, done = self.root, 0
         for node in self._walk(tokens[: n_pages * ps]):
             mine = device_pages[done: done + node.num_pages]
+            self._touch(node)
             if node.device is None:
-                node.device = list(mine)
+                self.set_device(node, list(mine))
             else:
                 duplicates.extend(p for p, q in zip(mine, node.device) if p != q)
-            node.last_access = self.clock
             done += node.num_pages
         new_nodes = []
         if done < n_pages:
             node = self._add_child(node, tuple(tokens[done * ps: n_pages * ps]),
                                    hashes[done:n_pages], list(device_pages[done:n_pages]))
-            node.last_access = self.clock
             node.hits = 1
             new_nodes.append(node)
         return Inserted(node, duplicates, new_nodes)
@@ -145,10 +156,23 @@ class RadixTree:
             k = done - first_page
             node = self._add_child(node, tuple(tokens[done * ps: n_pages * ps]),
                                    hashes[done:n_pages], None, list(host_pages[k:]))
-            node.last_access = self.clock
             node.fetched = True
             return list(host_pages[:k])
         return list(host_pages)
+
+    def set_device(self, node: Node, pages: list[int]) -> None:
+        """Give a host-only node device pages (a load, or an insert adopting it)."""
+        assert node.device is None and node.parent.device is not None, "device nodes form a rooted subtree"
+        node.device = pages
+        node.parent.device_children += 1
+        self._refile(node)
+        self._refile(node.parent)
+
+    def set_host(self, node: Node, pages: list[int]) -> None:
+        """Record the host copy a write makes of a device node."""
+        assert node.host is None, f"{node} already has a host copy"
+        node.host = pages
+        self._refile(node)
 
     def path_to(self, node: Node | None) -> list[Node]:
         out = []
@@ -168,12 +192,14 @@ class RadixTree:
         for n in self.path_to(node):
             n.device_lock += delta
             assert n.device_lock >= 0, f"device lock of node {n.id} went negative"
+            self._refile(n)
 
     def lock_host(self, node: Node | None, delta: int = 1) -> None:
         """Like `lock_device`, against host eviction."""
         for n in self.path_to(node):
             n.host_lock += delta
             assert n.host_lock >= 0, f"host lock of node {n.id} went negative"
+            self._refile(n)
 
     def pin(self, node: Node | None, delta: int = 1) -> None:
         """Lock (or unlock) `node`'s path on both tiers: an op in flight, or a graft point."""
@@ -182,35 +208,39 @@ class RadixTree:
 
     # -- eviction ------------------------------------------------------------------------
 
-    def device_leaves(self) -> list[Node]:
-        """Unlocked device-resident nodes with no device-resident child, LRU first."""
-        out = [n for n in self.nodes.values()
-               if n.device is not None and n.device_lock == 0
-               and not any(c.device is not None for c in n.children.values())]
-        return sorted(out, key=lambda n: (n.last_access, n.id))
+    def lru_device_leaves(self) -> Iterator[Node]:
+        """Unlocked device-resident nodes with no device-resident child, LRU first, lazily.
 
-    def host_leaves(self) -> list[Node]:
-        """Unlocked host-only nodes with no children, LRU first."""
-        out = [n for n in self.nodes.values()
-               if n.device is None and n.host is not None and n.host_lock == 0 and not n.children]
-        return sorted(out, key=lambda n: (n.last_access, n.id))
+        It may resume after changes that only take device leaves out (a lock, a write);
+        after one that can add or re-key one (an eviction, a removal, an unlock, a match),
+        stop: resuming raises rather than yield a stale order."""
+        return iter(self._device_leaves)
+
+    def lru_host_leaves(self) -> Iterator[Node]:
+        """Unlocked host-only nodes with no children, LRU first, lazily."""
+        return iter(self._host_leaves)
 
     def evict_device(self, node: Node) -> list[int]:
         """Drop the device copy of a node that has a host copy; returns the freed pages."""
         assert node.host is not None and node.device_lock == 0
-        assert not any(c.device is not None for c in node.children.values()), "not a device leaf"
+        assert not node.device_children, "not a device leaf"
         pages, node.device = node.device, None
+        node.parent.device_children -= 1
+        self._refile(node)
+        self._refile(node.parent)
         return pages
 
     def removable(self, node: Node) -> bool:
-        """Whether no node in `node`'s subtree is locked on either tier."""
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n.device_lock or n.host_lock:
-                return False
-            stack.extend(n.children.values())
-        return True
+        """Whether no node in `node`'s subtree is locked on either tier.
+
+        Its own locks say so. A lock adds 1 on every node of the path from the root to its
+        target and its unlock takes 1 from that path, so a node's count is the number of
+        live locks whose target lies in its subtree, which is at least any descendant's.
+        Paths change in two ways only, and both keep this: a split puts the upper part on
+        exactly the paths through the lower part and gives it the lower part's counts, and
+        removal takes only subtrees no live lock targets (their root's counts are 0).
+        """
+        return node.device_lock == 0 and node.host_lock == 0
 
     def remove(self, node: Node) -> tuple[list[int], list[int]]:
         """Remove a node and its subtree; returns (device pages, host pages) to free."""
@@ -224,7 +254,12 @@ class RadixTree:
             host.extend(n.host or ())
             stack.extend(n.children.values())
             del self.nodes[n.id]
-        del node.parent.children[node.tokens[: self.page_size]]
+            self._device_leaves.update(n, False)
+            self._host_leaves.update(n, False)
+        parent = node.parent
+        del parent.children[node.tokens[: self.page_size]]
+        parent.device_children -= node.device is not None
+        self._refile(parent)
         return device, host
 
     # -- internals -------------------------------------------------------------------------
@@ -257,6 +292,9 @@ class RadixTree:
         upper.device_lock, upper.host_lock = node.device_lock, node.host_lock
         upper.last_access, upper.hits = node.last_access, node.hits
         upper.fetched = node.fetched
+        # Never a leaf: its one child, the lower part, has its residency. The lower part
+        # keeps its key and leaf status, and the parent its counts.
+        upper.device_children = int(node.device is not None)
         node.parent.children[upper.tokens[:ps]] = upper
         node.tokens, node.hashes = node.tokens[pages * ps:], node.hashes[pages:]
         node.device = node.device[pages:] if node.device is not None else None
@@ -270,8 +308,25 @@ class RadixTree:
                    device: list[int] | None, host: list[int] | None = None) -> Node:
         node = Node(self._take_id(), parent, tokens, list(hashes), device, host)
         parent.children[tokens[: self.page_size]] = node
+        parent.device_children += device is not None
         self.nodes[node.id] = node
+        self._touch(node)
+        self._refile(parent)
         return node
+
+    def _touch(self, node: Node) -> None:
+        node.last_access = self.clock
+        self._refile(node)
+
+    def _refile(self, node: Node) -> None:
+        """Put `node` in or out of the leaf sets after its residency, locks, children or
+        last access changed; the definitions here are the ones eviction relies on."""
+        if node is self.root:
+            return
+        self._device_leaves.update(node, node.device is not None and node.device_lock == 0
+                                   and node.device_children == 0)
+        self._host_leaves.update(node, node.device is None and node.host is not None
+                                 and node.host_lock == 0 and not node.children)
 
     def _take_id(self) -> int:
         self._next_id += 1

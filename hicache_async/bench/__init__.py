@@ -9,6 +9,7 @@ from ..errors import UsageError
 
 
 def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
+    from . import admission
     from . import core_figures as core
     from . import sync_figures as sync
     from .storage_figures import storage_figures
@@ -18,6 +19,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "on_step_idle_us": lambda: [core.on_step_idle(2_000 * n)],
         "l1_l2_copy_gbps": lambda: [core.l1_l2_copy(pages=16, reps=2 * n, rounds=3 + n)],
         "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
+        "admission_scale": lambda: [admission.admission_scale(admissions=200 * n, rounds=3 if quick else 5)],
         "storage": lambda: storage_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
