@@ -28,7 +28,7 @@ async def main() -> None:
         await scheduler.run(workload, on_finish=lambda req: print(f"request {req.id}: "
                                                                   f"{req.cached} cached prompt tokens"))
     finally:
-        plugin.close()
+        await plugin.close()
     report = plugin.report()
     print({k: v for k, v in report.items() if k.startswith("tokens_") or k == "transfers"})
 

@@ -8,7 +8,9 @@ heads it holds, so writers and readers with different TP/PP share objects).
 from __future__ import annotations
 
 import hashlib
-import struct
+import operator
+import sys
+from array import array
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterable
@@ -31,18 +33,30 @@ def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = No
         prev = bytes.fromhex(prior) if prior is not None else b""
     except ValueError:
         raise ValueError(f"prior must be a hex digest, got {prior!r}") from None
-    tokens = [int(t) for t in token_ids]
+    tokens = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+    try:
+        packed = array("I", tokens)      # 4-byte unsigned, packed in one C loop for all pages
+    except (OverflowError, TypeError):
+        raise ValueError(f"token id {_bad_token(tokens)!r} does not fit in 4 unsigned bytes") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    data = packed.tobytes()
+    step = page_size * 4
     out = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        page = tokens[start:start + page_size]
-        try:
-            packed = struct.pack(f"<{page_size}I", *page)
-        except struct.error:
-            bad = next(t for t in page if not 0 <= t < 2**32)
-            raise ValueError(f"token id {bad} does not fit in 4 unsigned bytes") from None
-        prev = hashlib.sha256(prev + packed).digest()
+    for start in range(0, len(data) - step + 1, step):
+        prev = hashlib.sha256(prev + data[start:start + step]).digest()
         out.append(prev.hex())
     return out
+
+
+def _bad_token(tokens: list) -> object:
+    for t in tokens:
+        try:
+            if 0 <= operator.index(t) < 2**32:
+                continue
+        except TypeError:
+            pass
+        return t
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,7 @@ class ObjectSpec:
 class KeyScheme(ABC):
     """Maps a page hash to the objects this rank reads (and, if `writes`, writes) for it."""
 
-    writes: bool      # False where another rank writes identical bytes (MLA, tp_rank > 0)
+    writes: bool      # False where another TP rank writes identical bytes (MLA, kv head replicas)
     cp_shared: bool   # True when every CP rank names a page by the same keys
 
     @abstractmethod
@@ -73,25 +87,39 @@ def _local_heads(layout: KVLayout) -> range:
     return range(layout.first_head, layout.first_head + layout.kv_heads)
 
 
+def _head_replicas(layout: KVLayout, coords: RankCoords) -> int:
+    """Consecutive TP ranks holding this rank's heads: 1 when TP splits the kv heads,
+    tp/kv_heads when it replicates each (GQA at a TP above the heads), every rank for MLA.
+    Only the first of them writes: the others hold identical bytes."""
+    return max(1, coords.tp_size * layout.kv_heads // layout.total_kv_heads)
+
+
 class RankSuffixKeys(KeyScheme):
     """One object per page with all of this rank's layers and heads, named by rank.
 
-    MHA/GQA: `_tp{r}` always (also at tp=1, so a default config still gives a valid key),
-    `_cp{r}` when cp > 1. MLA: the latent is replicated across TP and CP ranks, so the key
-    carries neither and only tp rank 0 writes; CP ranks then share keys and may split the
-    writing. `_pp{r}` whenever pp > 1, since stages hold different layers of one page.
+    A rank's share depends on the size of each split as much as on its place in it (tp rank 0
+    of 1 holds every head, of 2 half of them), so each part is `{rank}of{size}`; otherwise
+    topologies sharing one storage overwrite, or rather skip, each other's objects.
+    MHA/GQA: `_tp{r}of{n}` always (also at tp=1, so a default config still gives a valid key),
+    `_cp{r}of{n}` when cp > 1. MLA: the latent is replicated across TP and CP ranks, whatever
+    their number, so the key carries neither and only tp rank 0 writes; CP ranks then share
+    keys and may split the writing. `_pp{r}of{n}` whenever pp > 1, since stages hold different
+    layers of one page. A TP above the kv heads replicates each head over a group of ranks:
+    the group is named by its place among the groups (tp4 ranks 2 and 3 of 2 heads are
+    `_tp1of2`, the key and bytes of tp2 rank 1), and only its first rank writes.
     """
 
     def __init__(self, layout: KVLayout, coords: RankCoords = RankCoords()) -> None:
         self.layout = layout
         mla = layout.attention == "mla"
-        suffix = "" if mla else f"_tp{coords.tp_rank}"
+        r = _head_replicas(layout, coords)
+        suffix = "" if mla else f"_tp{coords.tp_rank // r}of{coords.tp_size // r}"
         if coords.pp_size > 1:
-            suffix += f"_pp{coords.pp_rank}"
+            suffix += f"_pp{coords.pp_rank}of{coords.pp_size}"
         if coords.cp_size > 1 and not mla:
-            suffix += f"_cp{coords.cp_rank}"
+            suffix += f"_cp{coords.cp_rank}of{coords.cp_size}"
         self._suffix = f"_{layout.namespace()}{suffix}"
-        self.writes = not mla or coords.tp_rank == 0
+        self.writes = coords.tp_rank % r == 0
         self.cp_shared = mla or coords.cp_size == 1
         self._layers, self._heads = _local_layers(layout), _local_heads(layout)
 
@@ -106,7 +134,8 @@ class UnifiedKeys(KeyScheme):
     TP2 writer's objects are exactly the union of TP4 readers' (when `head_group` divides
     every rank's heads) and a PP2 writer's the union of a PP1 reader's. The namespace folds
     in `head_group`, so different groupings miss instead of misreading. MLA: no `_H`, and
-    only tp rank 0 writes (every TP rank holds the same latent).
+    only tp rank 0 writes (every TP rank holds the same latent); likewise only the first
+    replica of a kv head replicated over TP ranks writes.
     """
 
     def __init__(self, layout: KVLayout, coords: RankCoords = RankCoords(), head_group: int = 1) -> None:
@@ -118,7 +147,7 @@ class UnifiedKeys(KeyScheme):
                              f"{layout.first_head}..{layout.last_head}")
         group = "mla" if mla else str(head_group)
         self._ns = hashlib.sha256(f"{layout.namespace()}|hg={group}".encode()).hexdigest()[:16]
-        self.writes = not mla or coords.tp_rank == 0
+        self.writes = coords.tp_rank % _head_replicas(layout, coords) == 0
         self.cp_shared = True
         self._parts = []  # (suffix, layers, heads) per object of a page
         for layer in _local_layers(layout):

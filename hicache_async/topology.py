@@ -61,12 +61,32 @@ def split_range(total: int, parts: int, index: int) -> range:
     return range(start, start + base + (1 if index < extra else 0))
 
 
+def kv_head_range(kv_heads: int, tp: int, tp_rank: int) -> range:
+    """The kv heads (MHA/GQA) a TP rank holds.
+
+    TP up to the number of kv heads splits them; above it, as real engines run GQA models,
+    each head is replicated over `tp // kv_heads` consecutive ranks, so a rank holds one head
+    and its query heads are exactly those that attend to it.
+    """
+    if tp <= kv_heads:
+        return split_range(kv_heads, tp, tp_rank)
+    head = tp_rank // (tp // kv_heads)
+    return range(head, head + 1)
+
+
 def check_topology(tp: int, pp: int, cp: int, *, num_layers: int, kv_heads: int,
-                   attention: str) -> None:
+                   attention: str, q_heads: int | None = None) -> None:
+    """One-line usage errors for a grid the model cannot be split over.
+
+    `q_heads` is None for an engine without query heads (the replay engine).
+    """
     for name, value in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if pp > num_layers:
         raise UsageError(f"--pp {pp} exceeds the model's {num_layers} layers")
-    if attention == "mha" and kv_heads % tp:
-        raise UsageError(f"--tp {tp} does not divide the model's {kv_heads} kv heads")
+    if attention == "mha" and kv_heads % tp and tp % kv_heads:
+        raise UsageError(f"--tp {tp} neither divides the model's {kv_heads} kv heads nor is a "
+                         f"multiple of them (each head then replicated over tp/{kv_heads} ranks)")
+    if q_heads is not None and q_heads % tp:
+        raise UsageError(f"--tp {tp} does not divide the model's {q_heads} query heads")

@@ -1,19 +1,26 @@
 """Rank targets for the agreement tests (run inside simulated ranks)."""
-from hicache_async.agreement import DIGEST, LOAD, WRITE, pack
+from hicache_async.agreement import BACKUP, DIGEST, LOAD, WRITE, pack
 from hicache_async.pp_sync import PipelineAgreement
 
 
 async def many_steps(ctx) -> dict:
-    """Agree `steps` times with nothing pending; report the most sends ever in flight."""
+    """Reap and agree `steps` times with nothing pending, as on_step does; then close."""
     agreement = PipelineAgreement(ctx.coords, ctx.groups, ctx.timeout_s)
     most = 0
     for step in range(ctx.payload["steps"]):
-        agreement.reap()
+        await agreement.reap()
         await agreement.agree(pack((0, 0, 0, 0), [], 7), step)
         most = max(most, agreement.pending_sends)
-    final = agreement.pending_sends
-    agreement.close()
-    return {"most_pending_sends": most, "final_pending_sends": final}
+    before_close = agreement.counts()
+    await agreement.close()
+    return {"most_pending_sends": most, "before_close": before_close, "after_close": agreement.counts(),
+            "pending_after_close": agreement.pending_sends,
+            "reports_completion": agreement.sends.reports_completion}
+
+
+def offer(rank: int, step: int) -> int:
+    """What each rank offers for a count at a step: differs between ranks and steps."""
+    return (rank * 3 + step) % 5
 
 
 async def counts(ctx) -> dict:
@@ -21,11 +28,23 @@ async def counts(ctx) -> dict:
     agreement = PipelineAgreement(ctx.coords, ctx.groups, ctx.timeout_s)
     seen = []
     for step in range(50):
-        mine = (ctx.coords.rank * 3 + step) % 5
+        mine = offer(ctx.coords.rank, step)
         agreed = await agreement.agree(pack((mine, mine + 1, 0, 0), [], 1), step)
         seen.append([agreed[WRITE], agreed[LOAD]])
-    agreement.close()
+    await agreement.close()
     return {"seen": seen}
+
+
+async def backups(ctx) -> dict:
+    """Each rank offers its own ready backups; storage ops are pending on odd steps only."""
+    agreement = PipelineAgreement(ctx.coords, ctx.groups, ctx.timeout_s)
+    seen = []
+    for step in range(20):
+        agreed = await agreement.agree(pack((0, 0, offer(ctx.coords.rank, step), 0), [], 1), step,
+                                       l3_pending=step % 2 == 1)
+        seen.append(agreed[BACKUP])
+    await agreement.close()
+    return {"seen": seen, "world_reductions": agreement.world_reductions}
 
 
 async def diverge(ctx) -> dict:
@@ -38,12 +57,5 @@ async def diverge(ctx) -> dict:
             digest += 1000
         agreed = await agreement.agree(pack((0, 0, 0, 0), [], digest), step)
         assert agreed[DIGEST] == digest
-    agreement.close()
+    await agreement.close()
     return {}
-
-
-def stage_zero_min(tp: int, cp: int, step: int) -> list[int]:
-    """What `counts` must agree on: the MIN over stage 0's ranks."""
-    low = min((r * 3 + step) % 5 for r in range(tp * cp))
-    return [low, low + 1]
-

@@ -9,12 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hicache_async.errors import UsageError
-from hicache_async.ranks import RankContext, all_reduce, isend, recv, wait_work
-
-
-def agreed_value(step: int, rank: int) -> int:
-    """What each first-stage rank proposes at a step of the mini pp_sync."""
-    return (step * 7 + rank * 5) % 13
+from hicache_async.ranks import RankContext, all_reduce
 
 
 def report_groups(ctx: RankContext) -> dict:
@@ -33,27 +28,6 @@ def report_groups(ctx: RankContext) -> dict:
         "last": g.is_last_stage, "tp_sum": int(ones.item()), "run_id": ctx.run_id,
         "payload": ctx.payload,
     }
-
-
-async def mini_pp_sync(ctx: RankContext) -> dict:
-    """Stage 0 MIN-reduces over `agree`; later stages receive and forward it, like pp_sync."""
-    g, c = ctx.groups, ctx.coords
-    agreed, sends = [], []
-    for step in range(ctx.payload["steps"]):
-        value = agreed_value(step, c.rank)
-        msg = torch.tensor([value, step, -step], dtype=torch.int64)
-        if g.is_first_stage:
-            await all_reduce(msg, op=dist.ReduceOp.MIN, group=g.agree, what=f"agree step {step}",
-                             coords=c, timeout_s=ctx.timeout_s)
-        else:
-            await recv(msg, src=g.prev_stage, tag=7, what=f"pp_sync recv from rank {g.prev_stage}",
-                       coords=c, timeout_s=ctx.timeout_s)
-        if g.next_stage is not None:
-            sends.append(isend(msg.clone(), dst=g.next_stage, tag=7))
-        agreed.append(msg.tolist())
-    for work in sends:
-        await wait_work(work, what="pp_sync send", coords=c, timeout_s=ctx.timeout_s)
-    return {"agreed": agreed}
 
 
 async def all_reduce_until_killed(ctx: RankContext) -> dict:

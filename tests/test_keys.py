@@ -9,15 +9,16 @@ import pytest
 from hicache_async.errors import UsageError
 from hicache_async.keys import RankSuffixKeys, UnifiedKeys, make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.topology import RankCoords, split_range
+from hicache_async.topology import RankCoords, kv_head_range, split_range
 
 TOTAL_LAYERS, TOTAL_HEADS = 8, 4
 
 
 def rank_layout(coords: RankCoords, attention: str = "mha", head_dim: int = 4, page_size: int = 4) -> KVLayout:
-    """The layout a rank holds: its PP stage's layers and (MHA) its TP share of the kv heads."""
+    """The layout a rank holds: its PP stage's layers and (MHA) its TP share of the kv heads,
+    or the one head it replicates when TP exceeds them."""
     layers = split_range(TOTAL_LAYERS, coords.pp_size, coords.pp_rank)
-    heads = split_range(TOTAL_HEADS, coords.tp_size, coords.tp_rank) if attention == "mha" else range(1)
+    heads = kv_head_range(TOTAL_HEADS, coords.tp_size, coords.tp_rank) if attention == "mha" else range(1)
     return KVLayout(num_layers=len(layers), kv_heads=len(heads), head_dim=head_dim, page_size=page_size,
                     attention=attention, first_layer=layers.start, first_head=heads.start,
                     total_layers=TOTAL_LAYERS, total_kv_heads=TOTAL_HEADS if attention == "mha" else 1)
@@ -65,15 +66,14 @@ def test_page_hashes_agree_across_processes():
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_rank_suffix_never_names_different_content_alike(attention):
+    """One key, one content: within a topology and across every topology sharing a storage."""
     h = page_hashes(range(4), 4)[0]
-    for tp in (1, 2, 4):
+    content_of = {}
+    for tp in (1, 2, 4, 8):     # tp 8 replicates each of the 4 kv heads on 2 ranks
         for pp in (1, 2, 4):
             for cp in (1, 2):
-                content_of = {}
                 for c in grid(tp, pp, cp):
                     keys = RankSuffixKeys(rank_layout(c, attention), c)
-                    if not keys.writes:
-                        continue
                     for spec in keys.objects(h):
                         content = (spec.layers, spec.heads)
                         assert content_of.setdefault(spec.key, content) == content, (tp, pp, cp, c)
@@ -83,9 +83,9 @@ def test_rank_suffix_suffixes():
     h = "ab" * 32
     c = RankCoords(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, cp_rank=1, cp_size=2)
     ns = rank_layout(c).namespace()
-    assert RankSuffixKeys(rank_layout(c), c).objects(h)[0].key == f"{h}_{ns}_tp1_pp1_cp1"
+    assert RankSuffixKeys(rank_layout(c), c).objects(h)[0].key == f"{h}_{ns}_tp1of2_pp1of2_cp1of2"
     mla = RankSuffixKeys(rank_layout(c, "mla"), c)
-    assert mla.objects(h)[0].key == f"{h}_{rank_layout(c, 'mla').namespace()}_pp1"
+    assert mla.objects(h)[0].key == f"{h}_{rank_layout(c, 'mla').namespace()}_pp1of2"
     assert not mla.writes and mla.cp_shared
 
 
@@ -100,7 +100,7 @@ def test_rank_suffix_mla_keys_identical_across_tp_ranks_and_only_tp0_writes():
 def test_default_coords_give_valid_suffixes():
     layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
     spec = make_key_scheme("rank-suffix", layout, RankCoords()).objects("00" * 32)[0]
-    assert spec.key == f"{'00' * 32}_{layout.namespace()}_tp0"
+    assert spec.key == f"{'00' * 32}_{layout.namespace()}_tp0of1"
     assert RankSuffixKeys(layout).objects("00" * 32)[0] == spec
     assert spec.layers == range(2) and spec.heads == range(2)
 

@@ -163,8 +163,10 @@ async def test_bad_inputs_raise_one_line_usage_errors():
         await model.forward([SeqChunk([999], 0, [0])], _pool(model))
     with pytest.raises(UsageError, match="kv pool shape"):
         await model.forward([SeqChunk([1], 0, [0])], torch.zeros(4, 2, 2, 4, 1, 16))
-    with pytest.raises(UsageError, match="--tp 4"):
-        TinyModel(ModelConfig(), RankCoords(tp_size=4))
+    with pytest.raises(UsageError, match="--tp 3 neither divides the model's 2 kv heads"):
+        TinyModel(ModelConfig(), RankCoords(tp_size=3))
+    with pytest.raises(UsageError, match="--tp 8 does not divide the model's 4 query heads"):
+        TinyModel(ModelConfig(), RankCoords(tp_size=8))
 
 
 # -- multi-rank: real processes joined by gloo ------------------------------------------------

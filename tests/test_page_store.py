@@ -39,13 +39,17 @@ def write(storage, kv, tp, pp, cp=1, scheme="unified", attention="mha", cp_mode=
 
 
 def read(storage, kv, tp, pp, cp=1, scheme="unified", attention="mha", head_group=1):
-    """Prefetch on every rank; the leading page counts, after checking the bytes bitwise."""
+    """Prefetch on every rank; the leading page counts, after checking the bytes bitwise.
+
+    A page another topology stored must miss, never fail verification: no object may be
+    corrupt (named like ours but holding other bytes) or vanish between probe and read."""
     counts = []
     for c in grid(tp, pp, cp):
         layout = rank_layout(c, attention)
         host = HostPool(layout, PAGES)
         store = PageStore(storage, layout, make_key_scheme(scheme, layout, c, head_group), c)
         got = store.prefetch(HASHES, host, list(range(PAGES - 1, -1, -1)))   # reversed slots
+        assert (got.corrupt, got.missing, got.errors) == (0, 0, 0), (tp, pp, cp, c)
         assert torch.equal(host.tensor.flip(0)[:got.pages], rank_view(kv, layout)[:got.pages])
         counts.append(got.pages)
     return counts
@@ -78,7 +82,27 @@ def test_rank_suffix_other_topology_misses_instead_of_misreading():
     storage, kv = MemoryStorage(), global_kv()
     write(storage, kv, 2, 1, scheme="rank-suffix")
     assert read(storage, kv, 2, 1, scheme="rank-suffix") == [PAGES] * 2
-    assert read(storage, kv, 1, 1, scheme="rank-suffix") == [0]   # same key `_tp0`, other heads
+    assert read(storage, kv, 1, 1, scheme="rank-suffix") == [0]   # tp rank 0 of 1 holds other heads
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_rank_suffix_topologies_share_one_storage(backend, attention, tmp_path):
+    """TP1, TP2, PP2 and PP4 back up the same pages into one storage; each reads all of its own."""
+    storage, kv = (MemoryStorage() if backend == "memory" else FileStorage(str(tmp_path))), global_kv(attention)
+    layouts = [(1, 1), (2, 1), (1, 2), (1, 4)]
+    for tp, pp in layouts:
+        assert all(r.ok == [True] * PAGES for r in write(storage, kv, tp, pp, scheme="rank-suffix",
+                                                         attention=attention))
+    for tp, pp in layouts:
+        assert read(storage, kv, tp, pp, scheme="rank-suffix", attention=attention) == [PAGES] * (tp * pp)
+
+
+def test_rank_suffix_mla_latent_serves_every_tp_size():
+    """The latent does not depend on tp, so its keys do not either: TP1 writes, TP4 reads."""
+    storage, kv = MemoryStorage(), global_kv("mla")
+    write(storage, kv, 1, 2, scheme="rank-suffix", attention="mla")
+    assert read(storage, kv, 4, 2, scheme="rank-suffix", attention="mla") == [PAGES] * 8
 
 
 @pytest.mark.parametrize("scheme,attention,expected_objects", [
@@ -126,10 +150,10 @@ class FlakyStorage(MemoryStorage):
 
     down = False
 
-    def batch_exists(self, keys):
+    def batch_get(self, keys, buffers):
         if self.down:
             raise StorageError("backend down")
-        return super().batch_exists(keys)
+        return super().batch_get(keys, buffers)
 
     def batch_set(self, keys, values):
         if self.down:
@@ -144,7 +168,7 @@ def test_storage_failure_is_counted_not_raised():
     store = PageStore(storage, layout, make_key_scheme("unified", layout, RankCoords()))
     storage.down = True
     backup = store.backup(HASHES, host, list(range(PAGES)))
-    assert backup.ok == [False] * PAGES and backup.errors == 1 + PAGES * TOTAL_LAYERS * TOTAL_HEADS
+    assert backup.ok == [False] * PAGES and backup.errors == PAGES * TOTAL_LAYERS * TOTAL_HEADS
     prefetch = store.prefetch(HASHES, host, list(range(PAGES)))
     assert (prefetch.pages, prefetch.errors) == (0, 1)
     assert store.counters.storage_errors == backup.errors + 1

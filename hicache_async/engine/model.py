@@ -2,8 +2,9 @@
 
 It exists to prove the cache: greedy tokens from a run that reuses cached KV must equal a
 cache-less run's. Math is float64 so batch shape never flips an argmax; KV is stored as
-float32 (the pool's logical dtype), K after rotary. TP splits heads, PP splits layers, CP
-splits the batch's new tokens; every rank stores the full KV of its layers and heads.
+float32 (the pool's logical dtype), K after rotary. TP splits heads (above the number of kv
+heads it replicates each kv head, see `kv_head_range`), PP splits layers, CP splits the
+batch's new tokens; every rank stores the full KV of its layers and kv heads.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..layout import KVLayout
 from ..ranks.dist_wait import recv, wait_work
-from ..topology import RankCoords, check_topology, split_range
+from ..topology import RankCoords, check_topology, kv_head_range, split_range
 from .attention import attend, project, read_kv, write_kv
 from .weights import DTYPE, LayerWeights, embedding, layer_weights, lm_head
 
@@ -89,12 +90,9 @@ class TinyModel:
         self.coords = coords = coords or RankCoords()
         self.groups = groups
         check_topology(coords.tp_size, coords.pp_size, coords.cp_size, num_layers=cfg.layers,
-                       kv_heads=cfg.kv_heads, attention=cfg.attention)
-        if cfg.q_heads % coords.tp_size:
-            raise UsageError(f"--tp {coords.tp_size} does not divide the model's "
-                             f"{cfg.q_heads} query heads")
+                       kv_heads=cfg.kv_heads, attention=cfg.attention, q_heads=cfg.q_heads)
         self.layers = split_range(cfg.layers, coords.pp_size, coords.pp_rank)
-        self.kv_heads = (split_range(cfg.kv_heads, coords.tp_size, coords.tp_rank)
+        self.kv_heads = (kv_head_range(cfg.kv_heads, coords.tp_size, coords.tp_rank)
                          if cfg.attention == "mha" else range(1))
         q_heads = split_range(cfg.q_heads, coords.tp_size, coords.tp_rank)
         self.weights = [layer_weights(cfg, layer, q_heads, self.kv_heads) for layer in self.layers]
