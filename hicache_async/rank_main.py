@@ -1,8 +1,11 @@
 """What one simulated rank runs: the reference engine with the HiCache plugin on a workload."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from .agreement import LocalAgreement
 from .config import CacheConfig
@@ -12,8 +15,9 @@ from .engine.model import ModelConfig, TinyModel
 from .engine.scheduler import Scheduler
 from .engine.workload import Workload, WorkloadSpec
 from .observability import setup_telemetry
-from .plugin_api import load_plugin
+from .plugin_api import KVPlugin, load_plugin
 from .pp_sync import PipelineAgreement
+from .request import Request
 from .storage.base import open_storage
 from .trace_file import part_path
 
@@ -32,11 +36,16 @@ def payload_of(model: ModelConfig, cache: CacheConfig, workload: WorkloadSpec, s
 
 
 async def run_rank(ctx) -> dict:
+    return await with_telemetry(ctx, _run)
+
+
+async def with_telemetry(ctx, body: Callable[[Any], Awaitable[dict]]) -> dict:
+    """`await body(ctx)` with this rank's telemetry set up as the payload asks, flushed after."""
     trace_file = ctx.payload.get("trace_file")
     telemetry = setup_telemetry(coords=ctx.coords, run_id=ctx.run_id, log_json=ctx.payload.get("log_json", False),
                                 trace_file=part_path(trace_file, ctx.coords.rank) if trace_file else None)
     try:
-        return await _run(ctx)
+        return await body(ctx)
     finally:
         telemetry.shutdown()
 
@@ -51,35 +60,47 @@ def _kv_check(ctx, model: TinyModel, page_size: int) -> KVCheck | None:
     return KVCheck(truth.expected, page_size, layout.num_layers, layout.first_layer, ctx.coords, exact=False)
 
 
-async def _run(ctx) -> dict:
-    model_cfg, cache_cfg, spec = specs_from(ctx.payload)
+@contextlib.asynccontextmanager
+async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]:
+    """The HiCache plugin over the payload's storage and this rank's agreement; on exit the
+    plugin is closed, then the storage it used."""
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
     agreement = (LocalAgreement() if ctx.coords.world_size == 1
                  else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
     plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
                          storage_name=storage_spec["name"] if storage_spec else "none")
-    model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None,
-                      timeout_s=cache_cfg.sync_timeout_s)
-    check = _kv_check(ctx, model, cache_cfg.page_size)
-    scheduler = Scheduler(model, plugin, device_pages=cache_cfg.device_pages,
-                          page_size=cache_cfg.page_size, run_id=ctx.run_id, witness=check)
-    workload = Workload(spec)
+    try:
+        yield plugin
+    finally:
+        await plugin.close()
+        if storage is not None:
+            storage.close()
+
+
+def progress_reporter(ctx) -> Callable[[Request], None]:
+    """The scheduler's on_finish: rank 0 reports the running count of finished requests."""
     done = [0]
 
-    def progress(_req) -> None:
+    def progress(_req: Request) -> None:
         done[0] += 1
         if ctx.coords.rank == 0:
             ctx.progress({"requests_done": done[0]})
+    return progress
 
-    log.debug("rank started: %s, storage %s, key scheme %s", model_cfg.attention,
-             storage_spec["name"] if storage_spec else "none", cache_cfg.key_scheme)
-    try:
-        await scheduler.run(workload, progress)
-    finally:
-        plugin.close()
-        if storage is not None:
-            storage.close()
+
+async def _run(ctx) -> dict:
+    model_cfg, cache_cfg, spec = specs_from(ctx.payload)
+    async with hicache_plugin(ctx, cache_cfg) as plugin:
+        model = TinyModel(model_cfg, ctx.coords, ctx.groups if ctx.coords.world_size > 1 else None,
+                          timeout_s=cache_cfg.sync_timeout_s)
+        check = _kv_check(ctx, model, cache_cfg.page_size)
+        scheduler = Scheduler(model, plugin, device_pages=cache_cfg.device_pages,
+                              page_size=cache_cfg.page_size, run_id=ctx.run_id, witness=check)
+        workload = Workload(spec)
+        log.debug("rank started: %s, storage %s, key scheme %s", model_cfg.attention,
+                  plugin.storage_name, cache_cfg.key_scheme)
+        await scheduler.run(workload, progress_reporter(ctx))
     report = plugin.report()
     log.debug("rank finished: %d steps, tokens l1 %d l2 %d l3 %d computed %d, storage errors %d",
              report["steps"], report["tokens_from_l1"], report["tokens_from_l2"],

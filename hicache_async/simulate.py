@@ -28,21 +28,28 @@ STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_by
 
 
 @dataclass
-class SimulateArgs:
+class RunArgs:
+    """Topology, storage and telemetry of a run on simulated ranks: `simulate` and `replay`."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    attention: str = "mha"
     storage: str = "file"
     storage_path: str | None = None
+    l3_capacity: int | None = None     # bytes; only adapters with a capacity take it
     mooncake_master: str | None = None
     mooncake_metadata: str | None = None
-    requests: int = 48
     seed: int = 0
     timeout_s: float = 60.0
     trace_file: str | None = None
     log_json: bool = False
     storage_optional: bool = False
+
+
+@dataclass
+class SimulateArgs(RunArgs):
+    attention: str = "mha"
+    requests: int = 48
 
 
 def default_storage_path() -> str:
@@ -52,7 +59,7 @@ def default_storage_path() -> str:
 
 def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
-                   attention=model.attention)
+                   attention=model.attention, q_heads=model.q_heads)
     if cache.page_size > spec.system_len:
         raise UsageError(f"--page-size {cache.page_size} exceeds the shortest prompt ({spec.system_len} "
                          f"tokens): few pages would ever fill, so little could be cached")
@@ -60,39 +67,54 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
         raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
                          f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
     reference, recorder = reference_run(model, spec, cache.page_size)
-    with _storage(args) as storage, tempfile.TemporaryDirectory(prefix="hicache-kv-") as kv_dir:
+    with storage_spec(args) as storage, tempfile.TemporaryDirectory(prefix="hicache-kv-") as kv_dir:
         payload = payload_of(model, cache, spec, storage)
-        payload["trace_file"] = args.trace_file
-        payload["log_json"] = args.log_json
         payload["kv_reference"] = os.path.join(kv_dir, "reference")
         recorder.save(payload["kv_reference"])
-        run_id = uuid.uuid4().hex[:16]
-        started = time.perf_counter()
-        with tqdm(total=spec.requests, desc=f"simulate tp{args.tp} pp{args.pp} cp{args.cp}",
-                  unit="req", file=sys.stderr, disable=None) as bar:
-            reports = launch(tp=args.tp, pp=args.pp, cp=args.cp, target="hicache_async.rank_main:run_rank",
-                             payload=payload, timeout_s=args.timeout_s, run_id=run_id,
-                             on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
-        cached_s = time.perf_counter() - started
-        if args.trace_file:
-            world = args.tp * args.pp * args.cp
-            merge_trace_files([part_path(args.trace_file, r) for r in range(world)], args.trace_file)
+        reports, run_id, cached_s = launch_ranks(args, "hicache_async.rank_main:run_rank", payload,
+                                                 spec.requests, "simulate")
     return summarize(args, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
 
 
+def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str) -> tuple[list[dict], str, float]:
+    """Run `target` on every rank with a progress bar over `requests`; (reports, run id, seconds).
+
+    Adds the telemetry settings to `payload` and merges the ranks' span files afterwards.
+    """
+    payload = {**payload, "trace_file": args.trace_file, "log_json": args.log_json}
+    run_id = uuid.uuid4().hex[:16]
+    started = time.perf_counter()
+    with tqdm(total=requests, desc=f"{job} tp{args.tp} pp{args.pp} cp{args.cp}",
+              unit="req", file=sys.stderr, disable=None) as bar:
+        reports = launch(tp=args.tp, pp=args.pp, cp=args.cp, target=target, payload=payload,
+                         timeout_s=args.timeout_s, run_id=run_id,
+                         on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
+    seconds = time.perf_counter() - started
+    if args.trace_file:
+        world = args.tp * args.pp * args.cp
+        merge_trace_files([part_path(args.trace_file, r) for r in range(world)], args.trace_file)
+    return reports, run_id, seconds
+
+
 @contextlib.contextmanager
-def _storage(args: SimulateArgs):
+def storage_spec(args: RunArgs):
     """The storage spec every rank opens.
 
     Mooncake without `--mooncake-master` starts a master and its segment holder for this run
     only; with it, objects live in that master's holder and outlive the run.
     """
+    if args.l3_capacity is not None and args.storage != "file":
+        raise UsageError(f"--l3-capacity {args.l3_capacity} needs --storage file: the {args.storage} "
+                         f"storage takes no capacity")
     if args.storage == "none":
         yield None
     elif args.storage == "memory":
         yield {"name": "memory", "options": {}}
     elif args.storage == "file":
-        yield {"name": "file", "options": {"path": args.storage_path or default_storage_path()}}
+        options = {"path": args.storage_path or default_storage_path()}
+        if args.l3_capacity is not None:
+            options["capacity_bytes"] = args.l3_capacity
+        yield {"name": "file", "options": options}
     elif args.storage == "mooncake":
         try:
             from hicache_mooncake.master import MooncakeMaster, check_reachable
@@ -129,26 +151,31 @@ def default_metadata_url(master: str) -> str:
 def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,
               storage_used: str) -> dict:
     first = reports[0]
-    # Outputs are broadcast from the last stage, so they agree by construction; the cache
-    # decisions (digest, transfers) are each rank's own and must agree too.
+    return {"attention": args.attention, "requests": len(first["outputs"]),
+            "outputs_match_reference": first["outputs"] == reference,
+            **rank_figures(args, reports, run_id, seconds, storage_used)}
+
+
+def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float, storage_used: str) -> dict:
+    """What every run reports from its ranks' reports: topology, tiers, KV checks, agreement,
+    step times, transfers and storage counters."""
+    first = reports[0]
+    # The cache decisions (digest, transfers) are each rank's own and must agree.
     ranks_agree = all(r["digest"] == first["digest"] and r["transfers"] == first["transfers"]
                       for r in reports)
     mismatch = next((r["kv_first_mismatch"] for r in reports if r["kv_first_mismatch"]), None)
-    step_us = [us for r in reports for us in r["step_us"]]
-    cuts = statistics.quantiles(step_us, n=100) if len(step_us) > 1 else [0.0] * 99
+    step_p50, step_p99 = p50_p99([us for r in reports for us in r["step_us"]])
     out = {
         "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-        "attention": args.attention, "storage": args.storage, "storage_used": storage_used,
-        "run_id": run_id,
-        "requests": len(first["outputs"]), "prompt_tokens": first["prompt_tokens"],
+        "storage": args.storage, "storage_used": storage_used, "run_id": run_id,
+        "prompt_tokens": first["prompt_tokens"],
         **{k: first[k] for k in TIERS},
-        "outputs_match_reference": first["outputs"] == reference,
         "ranks_agree": ranks_agree,
         "kv_verified_pages": sum(r["kv_verified_pages"] for r in reports),
         "kv_mismatches": sum(r["kv_mismatches"] for r in reports),
         "kv_first_mismatch": mismatch,
         "steps": first["steps"], "forwards": first["forwards"],
-        "on_step_us_p50": round(cuts[49], 1), "on_step_us_p99": round(cuts[98], 1),
+        "on_step_us_p50": step_p50, "on_step_us_p99": step_p99,
         "transfers": first["transfers"],
         **{k: sum(r[k] for r in reports) for k in STORAGE_COUNTS},
         "dropped_pages": first["dropped_pages"],
@@ -159,6 +186,12 @@ def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: 
     out["tiers"] = {k.removeprefix("tokens_").removeprefix("from_"): {
         "tokens": out[k], "share": round(out[k] / total, 4)} for k in TIERS}
     return out
+
+
+def p50_p99(values: list[float]) -> tuple[float, float]:
+    """Median and 99th percentile, rounded to 0.1; zeros for fewer than two values."""
+    cuts = statistics.quantiles(values, n=100) if len(values) > 1 else [0.0] * 99
+    return round(cuts[49], 1), round(cuts[98], 1)
 
 
 def print_summary(result: dict, file=None) -> None:

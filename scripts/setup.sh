@@ -20,6 +20,6 @@ want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # torch before anything else: an unpinned torch pulled by a dependency would fetch a CUDA build.
   $py -m pip install -q "torch==2.13.0"
-  $py -m pip install -q -e ".[dev,mooncake,otlp]"
+  $py -m pip install -q -e ".[dev,mooncake,otlp,plot]"
   echo "$want" > "$stamp"
 fi

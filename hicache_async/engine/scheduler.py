@@ -7,7 +7,6 @@ builds the same batches.
 """
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from .kv_witness import KVWitness
 from .model import SeqChunk, TinyModel
 from .workload import Workload
 
-IDLE_WAIT_S = 2e-4
+IDLE_WAIT_S = 0.05   # the longest an idle rank waits for a completion before stepping anyway
 
 
 class Scheduler:
@@ -38,7 +37,7 @@ class Scheduler:
         await self._serve(workload, on_finish)
         while self.plugin.busy():
             await self.plugin.on_step()
-            await asyncio.sleep(IDLE_WAIT_S)
+            await self.plugin.wait_progress(IDLE_WAIT_S)
 
     async def _serve(self, workload: Workload, on_finish: Callable[[Request], None] | None) -> None:
         waiting: deque[Request] = deque()
@@ -54,10 +53,10 @@ class Scheduler:
                 if waiting and not plugin.busy():
                     raise PoolExhausted(f"request {waiting[0].id} cannot be admitted and nothing is in "
                                         f"flight: the device pool ({self.pool.alloc.num_pages} pages) is too small")
-                await asyncio.sleep(IDLE_WAIT_S)   # let copy and storage workers make progress
+                await plugin.wait_progress(IDLE_WAIT_S)   # until copy or storage work completes
                 continue
             running += admitted
-            batch = [self._chunk(r) for r in running]
+            batch = [self.chunk(r) for r in running]
             tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(running, admitted))
             self.forwards += 1
             for req in admitted:
@@ -77,7 +76,9 @@ class Scheduler:
             running = still
 
     @staticmethod
-    def _chunk(req: Request) -> SeqChunk:
+    def chunk(req: Request) -> SeqChunk:
+        """`req`'s part of the next batch; an engine whose model needs more than the tokens
+        (the replay engine: the request's own state) overrides it."""
         if not req.output:
             return SeqChunk(req.prompt[req.kv_len:], req.kv_len, req.pages)
         return SeqChunk([req.output[-1]], req.kv_len, req.pages)

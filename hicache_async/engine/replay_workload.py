@@ -1,0 +1,101 @@
+"""A trace as the scheduler's workload: requests arrive at their timestamps on the virtual clock.
+
+Request ids are the trace's line numbers, so any message naming a request names its line.
+Each request carries a `ReplaySeq` (its tag): what the replay engine needs to write and name
+its KV without asking any other rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UsageError
+from ..request import Request
+from .replay_trace import TraceRequest, page_digests, prompt_tokens
+from .virtual_clock import CostModel, VirtualClock
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    trace: str
+    limit: int | None = None         # first N requests of the trace
+    seed: int = 0                    # selects the tokens each block id stands for
+    max_output: int | None = None    # cap on output_length (None: honour it)
+    costs: CostModel = CostModel()
+
+    def __post_init__(self) -> None:
+        if self.max_output is not None and self.max_output < 1:
+            raise UsageError(f"--max-output must be >= 1, got {self.max_output}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReplaySpec":
+        return cls(**{**d, "costs": CostModel(**d["costs"])})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def max_new(self, req: TraceRequest) -> int:
+        """Tokens to generate: output_length, capped, and at least the one a prefill yields."""
+        cap = req.output_length if self.max_output is None else min(req.output_length, self.max_output)
+        return max(1, cap)
+
+
+class ReplaySeq:
+    """One request's replay state: its prompt, the chained digest of each full page of its
+    tokens (grown as decoding fills pages) and the seed of its generated tokens."""
+
+    def __init__(self, req: TraceRequest, prompt: np.ndarray, page_size: int) -> None:
+        self.line = req.line
+        self.prompt = prompt
+        self.page_size = page_size
+        self.digests = page_digests(prompt, page_size)
+        self.out_seed = int.from_bytes(hashlib.sha256(prompt.tobytes()).digest()[:8], "little")
+
+    def digest(self, page: int, output: list[int]) -> bytes:
+        """Digest of full page `page` of prompt + `output`, the same chain `keys.page_hashes`
+        gives the cache for the request's tokens."""
+        ps, n = self.page_size, len(self.prompt)
+        while len(self.digests) <= page:
+            lo = len(self.digests) * ps
+            tokens = np.concatenate([self.prompt[lo:lo + ps],
+                                     np.asarray(output[max(0, lo - n):lo + ps - n], dtype=np.uint32)])
+            if len(tokens) < ps:
+                raise ValueError(f"page {page} of request {self.line} is not full yet")
+            prior = self.digests[-1] if self.digests else b""
+            self.digests += page_digests(tokens, ps, prior)
+        return self.digests[page]
+
+
+class ReplayWorkload:
+    """Hands out the trace's requests as the virtual clock passes their timestamps."""
+
+    def __init__(self, trace: list[TraceRequest], spec: ReplaySpec, page_size: int,
+                 clock: VirtualClock) -> None:
+        self.trace, self.spec, self.page_size, self.clock = trace, spec, page_size, clock
+        self._next = 0
+        self._in_flight = 0
+        self.completed = 0
+
+    def arrivals(self) -> list[Request]:
+        if self._in_flight == 0 and self._next < len(self.trace):
+            self.clock.jump_to(self.trace[self._next].timestamp_ms * 1e3)   # idle: skip ahead
+        out = []
+        while self._next < len(self.trace) and self.trace[self._next].timestamp_ms * 1e3 <= self.clock.now_us:
+            req = self.trace[self._next]
+            prompt = prompt_tokens(req, self.spec.seed)
+            out.append(Request(req.line, prompt.tolist(), self.spec.max_new(req),
+                               tag=ReplaySeq(req, prompt, self.page_size)))
+            self._next += 1
+        self._in_flight += len(out)
+        return out
+
+    def complete(self, req: Request) -> None:
+        self._in_flight -= 1
+        self.completed += 1
+
+    @property
+    def done(self) -> bool:
+        return self.completed == len(self.trace)

@@ -1,0 +1,72 @@
+"""The replay engine's pure functions: trace tokens, page chains, KV bytes, outputs and the oracle."""
+import numpy as np
+import pytest
+import torch
+
+from hicache_async.engine.replay_kv import ReplayKV, page_seed
+from hicache_async.engine.replay_model import next_tokens
+from hicache_async.engine.replay_trace import TraceRequest, page_digests, prompt_tokens
+from hicache_async.engine.replay_workload import ReplaySeq
+from hicache_async.keys import page_hashes
+from hicache_async.oracle import unbounded_oracle
+from hicache_async.request import Request
+
+
+def _req(ids, n, line=1, ts=0.0, out=4):
+    return TraceRequest(line, ts, n, out, tuple(ids))
+
+
+def test_equal_block_ids_give_equal_tokens_and_shared_prefix_pages():
+    a = prompt_tokens(_req([7, 8, 9], 1400))
+    b = prompt_tokens(_req([7, 8, 11], 1100))
+    assert len(a) == 1400 and len(b) == 1100 and a.dtype == np.uint32
+    assert np.array_equal(a[:1024], b[:1024]) and not np.array_equal(a[1024:1100], b[1024:1100])
+    assert np.array_equal(a, prompt_tokens(_req([7, 8, 9], 1400)))          # deterministic
+    assert not np.array_equal(a, prompt_tokens(_req([7, 8, 9], 1400), seed=1))
+    da, db = page_digests(a, 64), page_digests(b, 64)
+    assert da[:16] == db[:16] and da[16] != db[16]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 512])
+def test_page_digests_are_the_caches_page_hashes(page_size):
+    tokens = prompt_tokens(_req([3, 4], 1000))
+    assert [d.hex() for d in page_digests(tokens, page_size)] == page_hashes(tokens.tolist(), page_size)
+
+
+def test_decode_filled_pages_chain_like_the_cache_names_them():
+    prompt = prompt_tokens(_req([5], 100))
+    seq = ReplaySeq(_req([5], 100), prompt, 32)
+    output = list(range(1000, 1080))
+    want = page_hashes(prompt.tolist() + output, 32)
+    assert [seq.digest(k, output).hex() for k in range(len(want))] == want
+
+
+def test_kv_is_a_pure_function_sliced_by_global_layer_and_head():
+    full = ReplayKV(4, 2, 4, 16, range(0, 4), range(0, 2))
+    seeds = [page_seed(bytes([i]) * 32) for i in range(5)]
+    values = full.pages(seeds)                                        # [layers, pages, ...]
+    assert values.shape == (4, 5, 2, 16, 2, 4) and values.dtype == torch.float16
+    assert torch.isfinite(values).all() and values.abs().min() >= 0.5
+    assert torch.equal(values, full.pages(seeds))
+    assert not torch.equal(values[:, 0], values[:, 1])                # the seed (prefix) matters
+    part = ReplayKV(4, 2, 4, 16, range(2, 4), range(1, 2))            # pp stage 1, tp rank 1
+    assert torch.equal(part.pages(seeds), values[2:4, :, :, :, 1:2, :])
+    hexes = [bytes([i]).hex() * 32 for i in range(5)]
+    assert torch.equal(part.expected(hexes, 0, 1), values[3, :, :, :, 1:2, :])
+
+
+def test_outputs_are_a_pure_function_of_the_prompt_and_their_index():
+    seq = ReplaySeq(_req([1, 2], 600), prompt_tokens(_req([1, 2], 600)), 64)
+    a, b = Request(1, [], 4, tag=seq), Request(2, [], 4, output=[0], tag=seq)
+    first = next_tokens([a, b])
+    assert first == next_tokens([a, b]) and first[0] != first[1]
+
+
+def test_oracle_counts_leading_full_pages_seen_before_never_the_last_token():
+    trace = [_req([1, 2], 1024, line=1), _req([1, 2], 1024, line=2), _req([1, 3], 700, line=3),
+             _req([9], 64, line=4), _req([9], 64, line=5)]
+    oracle = unbounded_oracle(trace, 64)
+    # line 2: 15 of its 16 pages (the last token is computed); line 3: block 1's 8 pages;
+    # line 5: a one-page prompt has no full page before its last token.
+    assert oracle.tokens == (15 + 8) * 64
+    assert oracle.distinct_pages == 16 + 2 + 1
