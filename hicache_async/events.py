@@ -49,13 +49,14 @@ class HostEvent(CompletionEvent):
     Waiters are woken by the setter through their loop, so awaiting one costs no polling.
     """
 
-    __slots__ = ("_flag", "_lock", "_waiters", "error")
+    __slots__ = ("_flag", "_lock", "_waiters", "error", "set_at")
 
     def __init__(self) -> None:
         self._flag = threading.Event()
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.error: BaseException | None = None
+        self.set_at: float | None = None    # perf_counter when the work finished: for throughput
 
     def fail(self, error: BaseException) -> None:
         """Complete with an error: the work will never happen, so waiters must not wait for it."""
@@ -63,6 +64,7 @@ class HostEvent(CompletionEvent):
         self.set()
 
     def set(self) -> None:
+        self.set_at = time.perf_counter()
         with self._lock:
             self._flag.set()
             waiters, self._waiters = self._waiters, []
@@ -104,3 +106,22 @@ class CudaEvent(CompletionEvent):
 
     def query(self) -> bool:
         return self._event.query()
+
+
+async def first_completion(events: list[CompletionEvent], timeout_s: float) -> None:
+    """Return once any of `events` completes, or after `timeout_s`, without raising: the
+    caller checks what completed. Host events wake it; others are polled at most every ms."""
+    if not events or any(e.query() for e in events):
+        return
+    host = [e for e in events if isinstance(e, HostEvent)]
+    if len(host) < len(events):     # a device event cannot wake us: poll, as CompletionEvent does
+        end = time.perf_counter() + timeout_s
+        while not any(e.query() for e in events) and time.perf_counter() < end:
+            await asyncio.sleep(_MAX_SLEEP_S)
+        return
+    waits = [asyncio.ensure_future(e.wait(timeout_s + 1.0, "first completion")) for e in host]
+    done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for w in pending:
+        w.cancel()
+    for w in done:
+        w.exception()   # retrieved, so a late timeout is never reported as unhandled

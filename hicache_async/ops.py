@@ -31,6 +31,11 @@ class CacheOp:
     def done(self) -> CompletionEvent:
         return self.events[-1]
 
+    @property
+    def seconds(self) -> float:
+        """From issue to completion (to now while it runs)."""
+        return (getattr(self.done, "set_at", None) or time.perf_counter()) - self.started
+
 
 @dataclass(eq=False)
 class StorageOp(CacheOp):

@@ -10,18 +10,16 @@ per-CP-rank keys (rank-suffix MHA) each rank writes its own copy. cp_mode "rank0
 the writing to CP rank 0. Every CP rank *reads* all the pages it asks for, since each holds
 the full KV of its pages.
 
-Every object carries a checksum, computed on backup and verified on prefetch. A batch moves
-in one storage call; its checksums are split across a small shared thread pool and the
-calling thread (xxhash releases the GIL).
+Every object carries a checksum, computed on backup and verified on prefetch, beside the
+transfer (`storage/overlap.py`): headers just ahead of the adapter's writes, verification
+just behind its reads, while the bytes are in cache. There is no separate existence probe:
+a prefetch reads until the first object the adapter reports missing, and a backup lets the
+adapter skip objects it already holds.
 """
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -33,55 +31,19 @@ from .partition import cp_page_slice
 from .pool import HostPool, tensor_bytes
 from .storage.base import MISSING, StorageAdapter
 from .storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
+from .storage.overlap import Ahead, Behind
 from .topology import RankCoords
 
 CP_MODES = ("split", "rank0")
-T = TypeVar("T")
-PREFETCH_CHUNK_PAGES = 64  # pages per storage call; `cancel` is honoured between calls
-PARALLEL_BYTES = 1 << 20   # below this many payload bytes, checksums stay on the calling thread
-CHECKSUM_WORKERS = max(1, min(4, os.cpu_count() or 1) - 1)  # the calling thread makes one more
-
-_checksum_pool: ThreadPoolExecutor | None = None
-_checksum_pool_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The process-wide checksum workers; their tasks never submit to the pool (no deadlock)."""
-    global _checksum_pool
-    with _checksum_pool_lock:
-        if _checksum_pool is None:
-            _checksum_pool = ThreadPoolExecutor(CHECKSUM_WORKERS, thread_name_prefix="hicache-checksum")
-        return _checksum_pool
-
-
-def _split(sizes: list[int]) -> list[range]:
-    """Consecutive index ranges of about equal bytes, one per checksum worker plus the caller."""
-    total = sum(sizes)
-    parts = min(len(sizes), 1 + CHECKSUM_WORKERS, max(1, total // PARALLEL_BYTES))
-    out, start, acc = [], 0, 0
-    for i, n in enumerate(sizes):
-        acc += n
-        if len(out) < parts - 1 and acc * parts >= total * (len(out) + 1):
-            out.append(range(start, i + 1))
-            start = i + 1
-    out.append(range(start, len(sizes)))
-    return [r for r in out if r]
-
-
-def _parallel(fn: Callable[[range], T], sizes: list[int]) -> list[T]:
-    """fn over `_split(sizes)`: the first range on this thread, the rest on the pool, in order."""
-    ranges = _split(sizes) if sizes else []
-    futures = [_pool().submit(fn, r) for r in ranges[1:]]
-    first = [fn(ranges[0])] if ranges else []
-    return first + [f.result() for f in futures]
+PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 
 
 @dataclass
 class BackupResult:
     ok: list[bool]        # per page: stored (or already present, or another rank's to write)
     bytes: int = 0        # bytes this call wrote
-    errors: int = 0       # objects that failed to store, plus a failed existence probe
-    skipped: int = 0      # pages found already present
+    errors: int = 0       # objects that failed to store
+    skipped: int = 0      # pages the adapter found already stored
 
 
 @dataclass
@@ -89,7 +51,7 @@ class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
     corrupt: int = 0      # objects that failed verification (treated as misses)
-    missing: int = 0      # objects the existence probe saw that were gone when read
+    missing: int = 0      # objects absent from a page whose other objects were read
     errors: int = 0       # failed storage calls
 
 
@@ -120,16 +82,29 @@ class PageStore:
         self.fault = faults.injected()
         self.namespace = layout.namespace()
         self.counters = StoreCounters()
-        self._registered: dict[int, torch.Tensor] = {}  # held, so an address is never reused
+        # host tensor and its bytes, by address; the tensor held so an address is never reused
+        self._registered: dict[int, tuple[torch.Tensor, memoryview]] = {}
         self._register_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _register(self, host: HostPool) -> None:
+    def _register(self, host: HostPool) -> memoryview:
+        """The host pool's bytes, registered with the adapter on first use."""
         with self._register_lock:
             if host.tensor.data_ptr() not in self._registered:
-                self.adapter.register_memory(tensor_bytes(host.tensor))
-                self._registered[host.tensor.data_ptr()] = host.tensor
+                view = tensor_bytes(host.tensor)
+                self.adapter.register_memory(view)
+                self._registered[host.tensor.data_ptr()] = (host.tensor, view)
+            return self._registered[host.tensor.data_ptr()][1]
+
+    @staticmethod
+    def _whole_page(host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | None:
+        """The object's bytes in place when it is a whole host page (every layer and head this
+        rank holds), else None: a slice of one view, far cheaper than a tensor view per object."""
+        if len(spec.layers) != host.tensor.shape[1] or len(spec.heads) != host.tensor.shape[4]:
+            return None
+        size = host.layout.page_bytes
+        return pool[page * size:(page + 1) * size]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
@@ -148,54 +123,50 @@ class PageStore:
     # -- L2 -> L3 ------------------------------------------------------------------------
 
     def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int]) -> BackupResult:
-        """Store the given host pages under their hashes, skipping the leading run already stored."""
+        """Store the given host pages under their hashes; the adapter skips what it already holds."""
         if len(page_hashes) != len(host_pages):
             raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
         result = BackupResult(ok=[True] * len(page_hashes))
         mine = self._write_pages(page_hashes)
         if not mine:
             return result
-        specs = [self.keys.objects(page_hashes[i]) for i in mine]
-        try:
-            present = self.adapter.batch_exists([s.key for ss in specs for s in ss])
-        except StorageError:
-            present = 0
-            result.errors += 1
-        result.skipped = present // len(specs[0])
-        self._register(host)
-        keys, payloads, owners = [], [], []
-        for i, page_specs in zip(mine[result.skipped:], specs[result.skipped:]):
-            for spec in page_specs:
-                payload = self._slot(host, host_pages[i], spec).contiguous()
-                if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
-                    payload = payload.clone()
-                    payload.view(-1)[0] += 1.0
-                payloads.append((spec, payload))
-                keys.append(spec.key)
+        pool = self._register(host)
+        jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
+        for i in mine:
+            for spec in self.keys.objects(page_hashes[i]):
+                payload = self._whole_page(host, pool, host_pages[i], spec)
+                if payload is None or self.fault == "corrupt-stored":
+                    copies.append(self._slot(host, host_pages[i], spec).contiguous())
+                    if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
+                        copies[-1] = copies[-1].clone()
+                        copies[-1].view(-1)[0] += 1.0
+                    payload = tensor_bytes(copies[-1])
+                jobs.append((spec, payload))
                 owners.append(i)
-        parts = [part for chunk in _parallel(lambda r: self._encode(payloads[r.start:r.stop]),
-                                             [t.numel() * t.element_size() for _, t in payloads])
-                 for part in chunk]
+        headers = memoryview(bytearray(HEADER_BYTES * len(jobs)))
+        parts = [[headers[HEADER_BYTES * j:HEADER_BYTES * (j + 1)], payload]
+                 for j, (_, payload) in enumerate(jobs)]
+
+        def encode(group: range) -> None:
+            for j in group:
+                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, parts[j][1])
+
+        ahead = Ahead([p[1].nbytes for p in parts], encode)
         try:
-            stored = self.adapter.batch_set_parts(keys, parts) if keys else []
+            stored = self.adapter.batch_set_parts([spec.key for spec, _ in jobs], parts, ready=ahead.wait)
         except StorageError:
-            stored = [False] * len(keys)
-        for i, ok, (_, payload) in zip(owners, stored, payloads):
-            if ok:
-                result.bytes += HEADER_BYTES + payload.numel() * payload.element_size()
-            else:
+            stored = [False] * len(jobs)
+        written = set()
+        for j, (i, ok) in enumerate(zip(owners, stored)):
+            if not ok:
                 result.ok[i] = False
                 result.errors += 1
+            elif ahead.used[j]:
+                result.bytes += HEADER_BYTES + parts[j][1].nbytes
+                written.add(i)
+        result.skipped = sum(1 for i in mine if result.ok[i] and i not in written)
         self.counters.add(bytes_written=result.bytes, storage_errors=result.errors)
         return result
-
-    def _encode(self, payloads: list[tuple[ObjectSpec, torch.Tensor]]) -> list[list[memoryview]]:
-        """[header, payload bytes] per object; the caller keeps the payload tensors alive."""
-        out = []
-        for spec, payload in payloads:
-            data = tensor_bytes(payload)
-            out.append([memoryview(encode_header(spec.key, spec, self.namespace, data)), data])
-        return out
 
     # -- L3 -> L2 ------------------------------------------------------------------------
 
@@ -207,19 +178,13 @@ class PageStore:
         result = PrefetchResult()
         if not page_hashes:
             return result
-        specs = [self.keys.objects(h) for h in page_hashes]
-        try:
-            present = self.adapter.batch_exists([s.key for ss in specs for s in ss]) // len(specs[0])
-        except StorageError:
-            present = 0
-            result.errors += 1
-        if present:
-            self._register(host)
-        for start in range(0, present, PREFETCH_CHUNK_PAGES):
+        pool = self._register(host)
+        for start in range(0, len(page_hashes), PREFETCH_CHUNK_PAGES):
             if cancel is not None and cancel.is_set():
                 break
-            stop = min(start + PREFETCH_CHUNK_PAGES, present)
-            good = self._read_chunk(specs[start:stop], host, host_pages[start:stop], result)
+            stop = min(start + PREFETCH_CHUNK_PAGES, len(page_hashes))
+            specs = [self.keys.objects(h) for h in page_hashes[start:stop]]
+            good = self._read_chunk(specs, host, pool, host_pages[start:stop], result)
             result.pages += good
             if good < stop - start:
                 break
@@ -227,34 +192,37 @@ class PageStore:
                           missing_objects=result.missing, storage_errors=result.errors)
         return result
 
-    def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, host_pages: list[int],
-                    result: PrefetchResult) -> int:
-        """Read a run of pages in one call, verify it in parallel; the number of leading good pages."""
+    def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, pool: memoryview,
+                    host_pages: list[int], result: PrefetchResult) -> int:
+        """Read a run of pages in one call, verified as it lands; the number of leading good pages."""
         per_page = len(specs[0])
         headers = memoryview(bytearray(HEADER_BYTES * per_page * len(specs)))
-        keys, parts, jobs = [], [], []
+        keys, parts, jobs = [], [], []   # jobs: (spec, (slot, staging) when read out of place)
         for page, page_specs in zip(host_pages, specs):
             for spec in page_specs:
-                slot = self._slot(host, page, spec)
-                target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
+                data, staged = self._whole_page(host, pool, page, spec), None
+                if data is None:
+                    slot = self._slot(host, page, spec)
+                    target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
+                    data, staged = tensor_bytes(target), (slot, target) if target is not slot else None
                 header = headers[HEADER_BYTES * len(keys):HEADER_BYTES * (len(keys) + 1)]
                 keys.append(spec.key)
-                parts.append([header, tensor_bytes(target)])
-                jobs.append((spec, slot, target))
+                parts.append([header, data])
+                jobs.append((spec, staged))
+        behind = Behind([HEADER_BYTES + p[1].nbytes for p in parts],
+                        lambda r, got: self._check(got, parts[r.start:r.stop], jobs[r.start:r.stop]))
         try:
-            got = self.adapter.batch_get_parts(keys, parts)
+            outcomes = behind.finish(self.adapter.batch_get_parts(keys, parts, landed=behind.landed))
         except StorageError:
+            behind.finish(None)   # nothing of this call may still write into the host pages
             result.errors += 1
             return 0
         sizes: list[int] = []  # bytes of each leading verified object
-        for group_sizes, end in _parallel(lambda r: self._check(got[r.start:r.stop], parts[r.start:r.stop],
-                                                                jobs[r.start:r.stop]),
-                                          [HEADER_BYTES + p[1].nbytes if n != MISSING else 0
-                                           for n, p in zip(got, parts)]):
+        for group_sizes, end in outcomes:
             sizes += group_sizes
             if end is not None:
                 result.corrupt += end == "corrupt"
-                result.missing += end == "missing"
+                result.missing += end == "missing" and len(sizes) % per_page != 0
                 break
         good = len(sizes) // per_page
         result.bytes += sum(sizes[:good * per_page])
@@ -263,7 +231,7 @@ class PageStore:
     def _check(self, got: list[int], parts, jobs) -> tuple[list[int], str | None]:
         """Sizes of the leading verified objects of a run, and what ended it early (None: nothing)."""
         sizes = []
-        for n, (header, data), (spec, slot, target) in zip(got, parts, jobs):
+        for n, (header, data), (spec, staged) in zip(got, parts, jobs):
             if n == MISSING:
                 return sizes, "missing"
             try:
@@ -272,7 +240,7 @@ class PageStore:
                 verify(spec.key, spec, self.namespace, header, data)
             except CorruptObject:
                 return sizes, "corrupt"
-            if target is not slot:
-                slot.copy_(target)
+            if staged is not None:
+                staged[0].copy_(staged[1])
             sizes.append(n)
         return sizes, None

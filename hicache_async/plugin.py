@@ -6,20 +6,26 @@ Ops are issued synchronously from those calls; their completion is only acted on
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
+import anyio
+
 from . import telemetry
-from .agreement import BACKUP, LOAD, PAGES, PREFETCH, WRITE, LocalAgreement, pack
+from .agreement import BACKUP, L3_KBPS, LOAD, PAGES, PREFETCH, WRITE, LocalAgreement, pack
 from .cache import TieredCache
 from .config import CacheConfig
 from .errors import PoolExhausted, UsageError
+from .events import first_completion
 from .keys import make_key_scheme, page_hashes
 from .ops import TIERS, AckQueue, CacheOp
 from .page_store import PageStore
 from .plugin_api import EngineContext, KVPlugin
+from .prefetch_cost import Decision, PrefetchCost
 from .pool import HostPool
 from .request import Request
+from .storage.guarded import GuardedStorage
 from .storage.traced import TracedStorage
 from .storage_tier import StorageTier
 from .transfer import CopyFailed
@@ -39,12 +45,18 @@ class HiCachePlugin(KVPlugin):
         self.metrics = telemetry.CacheMetrics()
         self._prefetching: dict[int, Request] = {}
         self._origins: dict[int, list[str]] = {}     # request id -> tier of each cached page
+        self._decisions: dict[int, Decision] = {}    # request id -> its L3 prefetch decision
         self._step_span = None
         self.most_pending_sends = 0
+        self.prefetches_terminated = 0   # by this rank's policy clock, before they finished
 
     def attach(self, engine: EngineContext) -> None:
         self.engine = engine
         cfg = self.config
+        if engine.coords.world_size > 1 and isinstance(self.agreement, LocalAgreement):
+            raise UsageError(f"{engine.coords.label()}: a world of {engine.coords.world_size} ranks needs a "
+                             f"cross-rank agreement (pass agreement=PipelineAgreement(...)); a local one "
+                             f"would let rank trees diverge")
         if engine.layout.page_size != cfg.page_size:
             raise UsageError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
         self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages),
@@ -52,10 +64,17 @@ class HiCachePlugin(KVPlugin):
         self.l3 = None
         self._no_l3 = SimpleNamespace(backups=AckQueue("backup"), prefetches=AckQueue("prefetch"))
         if self.storage is not None:
-            keys = make_key_scheme(cfg.key_scheme, engine.layout, engine.coords)
-            traced = TracedStorage(self.storage, engine.coords, self.storage_name)
+            # Every CP rank holds the full KV of its pages; when only CP rank 0 transfers, the
+            # others read the objects it wrote.
+            key_coords = (dataclasses.replace(engine.coords, cp_rank=0) if cfg.cp_transfer == "rank0"
+                          else engine.coords)
+            keys = make_key_scheme(cfg.key_scheme, engine.layout, key_coords)
+            guarded = GuardedStorage(self.storage, cfg)   # a dead or hung backend fails fast
+            traced = TracedStorage(guarded, engine.coords, self.storage_name)
             store = PageStore(traced, engine.layout, keys, engine.coords, cp_mode=cfg.cp_transfer)
             self.l3 = StorageTier(self.cache, store, cfg)
+        self.prefetch_cost = PrefetchCost(engine.layout, engine.coords, prefill_us_per_token=cfg.prefill_us_per_token,
+                                          l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us)
 
     # -- admission and completion ------------------------------------------------------------
 
@@ -102,14 +121,24 @@ class HiCachePlugin(KVPlugin):
         return True
 
     def _start_prefetch(self, req: Request, tokens: list[int], match, cached_pages: int) -> bool:
-        ps = self.config.page_size
+        cfg = self.config
+        ps = cfg.page_size
         full = len(tokens) // ps
-        if (full - cached_pages) * ps < max(self.config.prefetch_threshold, ps):
+        missing = full - cached_pages
+        if missing <= 0:
+            return False
+        decision = self.prefetch_cost.decide(missing, missing * ps)
+        if cfg.prefetch_threshold is not None:     # the explicit override
+            decision = dataclasses.replace(decision, fetch=missing * ps >= max(cfg.prefetch_threshold, ps))
+        self._decisions[req.id] = decision
+        if not decision.fetch:
             return False
         hashes = page_hashes(tokens[: full * ps], ps)
         op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes)
         if op is None:
             return False
+        if op.span is not None and op.span.is_recording():
+            op.span.set_attributes(decision.attributes())
         req.prefetch = op
         self._prefetching[req.id] = req
         return True
@@ -137,6 +166,7 @@ class HiCachePlugin(KVPlugin):
         self.cache.tree.lock_device(req.lock, -1)
         req.pages, req.loads, req.lock = [], [], None
         self._origins.pop(req.id, None)
+        self._decisions.pop(req.id, None)
 
     def busy(self) -> bool:
         return any(len(q) for q in self._queues())
@@ -144,6 +174,23 @@ class HiCachePlugin(KVPlugin):
     def _queues(self) -> tuple[AckQueue, AckQueue, AckQueue, AckQueue]:
         l3 = self.l3 or self._no_l3
         return self.cache.writes, self.cache.loads, l3.backups, l3.prefetches
+
+    async def wait_progress(self, timeout_s: float) -> None:
+        """Return once this rank could retire an op, or after `timeout_s` at most.
+
+        An idle loop awaits this between steps instead of spinning through them. Only the
+        head of each queue matters (ops retire in order), so it awaits the heads' completion
+        events, and a prefetch head's policy deadline. It returns at once when this rank has
+        something ready even if other ranks do not: the next step's agreement waits for them.
+        """
+        queues = self._queues()
+        if any(q.ready() for q in queues[:3]) or (self.l3 is not None and self.l3.prefetch_view()[0]):
+            return
+        heads = [next(iter(q)) for q in queues if len(q)]
+        prefetch = next(iter(queues[3]), None)
+        if prefetch is not None:
+            timeout_s = min(timeout_s, max(0.0, prefetch.deadline - time.monotonic()))
+        await first_completion([op.done for op in heads], timeout_s)
 
     # -- the per-step hook ----------------------------------------------------------------
 
@@ -154,16 +201,17 @@ class HiCachePlugin(KVPlugin):
             self.step_us.append((time.perf_counter() - start) * 1e6)
             return
         self._begin_step_span()
-        self.agreement.reap()
+        await self.agreement.reap()
         queues = self._queues()
         writes, loads, backups, prefetches = queues
         n_prefetch, prefetch_pages = self.l3.prefetch_view() if self.l3 else (0, [])
         msg = pack((writes.ready(), loads.ready(), backups.ready(), n_prefetch), prefetch_pages,
-                   self.cache.digest)
+                   self.cache.digest, self.prefetch_cost.offer())
         with telemetry.pp_sync_span(self.engine.coords, parent=self._step_span) as span:
-            agreed = await self.agreement.agree(msg, self.step, prefetch_pending=len(prefetches) > 0)
+            agreed = await self.agreement.agree(msg, self.step, l3_pending=len(backups) + len(prefetches) > 0)
             if span.is_recording():
                 span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed})
+        self.prefetch_cost.agreed(agreed[L3_KBPS])
         await self._retire(agreed)
         for queue in queues:
             self.metrics.queue_depth(queue.kind, len(queue))
@@ -188,9 +236,11 @@ class HiCachePlugin(KVPlugin):
         for i, op in enumerate(l3.prefetches.retire(agreed[PREFETCH])):
             if not op.done.query():
                 op.cancel.set()      # the policy terminated it: stop the worker, keep what all have
+                self.prefetches_terminated += 1
             pages = agreed[PAGES + i]
             op.nbytes = pages * cache.host.layout.page_bytes
             await self._settle(op, {"hicache.pages_committed": pages})
+            self.prefetch_cost.observe(getattr(op.result, "bytes", 0), op.seconds)
             l3.retire_prefetch(op, pages)
             self._prefetching.pop(op.request_id).prefetch = None
 
@@ -229,6 +279,9 @@ class HiCachePlugin(KVPlugin):
             return
         attrs = {"hicache.prompt_tokens": len(req.prompt), "hicache.tokens.l1": device_tokens,
                  "hicache.tokens.l2_l3": host_tokens}
+        decision = self._decisions.get(req.id)
+        if decision is not None:
+            attrs.update(decision.attributes())
         with telemetry.request_span(self.engine.run_id, req.id, self.engine.coords, step=self._step_span,
                                     attrs=attrs):
             pass
@@ -255,13 +308,17 @@ class HiCachePlugin(KVPlugin):
                 "l3_bytes_written": counters.bytes_written if counters else 0,
                 "l3_bytes_read": counters.bytes_read if counters else 0,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
+                "prefetches_terminated": self.prefetches_terminated,
+                "pp_sync": self.agreement.counts(),
                 "step_us": self.step_us}
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Awaitable: joining the storage and copy workers and flushing the pipeline sends
+        happen off the event loop, so the loop's other tasks (telemetry, peers) keep running."""
         if self._step_span is not None:
             self._step_span.end()
             self._step_span = None
         if self.l3 is not None:
-            self.l3.close()
-        self.cache.close()
-        self.agreement.close()
+            await anyio.to_thread.run_sync(self.l3.close)
+        await anyio.to_thread.run_sync(self.cache.close)
+        await self.agreement.close()

@@ -1,6 +1,7 @@
 """What the scheduler loop gives a KV plugin and asks of it; plugins register by entry point."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -51,11 +52,17 @@ class KVPlugin:
     async def on_step(self) -> None:
         """Once per loop iteration on every rank: reap, agree, retire."""
 
+    async def wait_progress(self, timeout_s: float) -> None:
+        """Called by an idle loop between steps: return once in-flight work may be retired, or
+        after `timeout_s` at most. This default, for a plugin that cannot tell, naps briefly."""
+        await asyncio.sleep(min(timeout_s, 2e-4))
+
     def report(self) -> dict:
         return {}
 
-    def close(self) -> None:
-        """Stop workers and release resources."""
+    async def close(self) -> None:
+        """Stop workers, finish what peers wait for, and release resources; awaited, so it
+        never blocks the scheduler's event loop."""
 
 
 def load_plugin(name: str, **options: Any) -> KVPlugin:

@@ -1,11 +1,16 @@
 """L3: backups (L2 -> L3) after write acks, and prefetches (L3 -> L2) on admission.
 
-Storage calls run on a small thread pool so the event loop never waits on I/O. Both
-kinds retire through ack queues and the per-step agreement, like L1/L2 ops: a prefetch
-commits only the pages that every rank fetched (MIN), so trees stay identical.
+Storage calls run on worker threads so the event loop never waits on I/O: backups and
+prefetches on pools of their own, so a burst of backups never delays a prefetch a request
+waits on. An op runs as slices of SLICE_PAGES, each queued behind whatever was submitted
+meanwhile, so a long op shares the workers with short ones instead of holding them up.
+Both kinds retire through ack queues and the per-step agreement, like L1/L2 ops: a
+prefetch commits only the pages that every rank fetched (MIN), so trees stay identical.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +27,7 @@ from .page_store import PageStore
 from .radix import Node
 
 log = logging.getLogger(__name__)
+SLICE_PAGES = 64   # pages a worker moves before the op goes back in the queue
 
 
 class StorageTier:
@@ -30,7 +36,8 @@ class StorageTier:
         self.on_issue = cache.on_issue
         self.backups = AckQueue("backup")
         self.prefetches = AckQueue("prefetch")
-        self._workers = ThreadPoolExecutor(config.storage_workers, thread_name_prefix="hicache-l3")
+        self._backup_workers = ThreadPoolExecutor(config.storage_workers, thread_name_prefix="hicache-backup")
+        self._prefetch_workers = ThreadPoolExecutor(config.storage_workers, thread_name_prefix="hicache-prefetch")
         self.errors = 0
 
     # -- issue ------------------------------------------------------------------------------
@@ -43,7 +50,8 @@ class StorageTier:
         self.cache.tree.lock_host(write.node)
         self.cache.note("backup", write.node.id, write.pages)
         self.on_issue(op, [])
-        self._workers.submit(self._run, op, self.store.backup, op.hashes, self.cache.host, op.host_pages)
+        self._backup_workers.submit(self._slice, self._backup_workers, op, self.store.backup, op.hashes,
+                                    op.host_pages, 0)
         self.backups.push(op)
         return op
 
@@ -60,22 +68,41 @@ class StorageTier:
         op = StorageOp("prefetch", parent, [HostEvent()], n, n * self.cache.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
                        first_page=first_page,
-                       deadline=time.monotonic() + self.config.prefetch_timeout(n * self.config.page_size))
+                       deadline=time.monotonic() + self._patience(n))
         self.on_issue(op, [request_id])
-        self._workers.submit(self._run, op, self.store.prefetch, hashes[first_page:], self.cache.host,
-                             pages, op.cancel)
+        self._prefetch_workers.submit(self._slice, self._prefetch_workers, op,
+                                      functools.partial(self.store.prefetch, cancel=op.cancel),
+                                      hashes[first_page:], pages, 0)
         self.prefetches.push(op)
         return op
 
-    @staticmethod
-    def _run(op: StorageOp, call, *args) -> None:
+    def _slice(self, workers: ThreadPoolExecutor, op: StorageOp, call, hashes: list[str],
+               host_pages: list[int], start: int) -> None:
+        """Move one slice of the op's pages, then queue the next one, or complete the op.
+
+        A prefetch stops at the first slice that did not fetch every page (the leading run
+        ended) or once cancelled; results add up slice by slice.
+        """
+        stop = min(start + SLICE_PAGES, len(hashes))
         try:
             with trace.use_span(op.span or INVALID_SPAN, end_on_exit=False):  # storage spans nest under it
-                op.result = call(*args)
+                part = call(hashes[start:stop], self.cache.host, host_pages[start:stop])
+            op.result = part if start == 0 else _sum(op.result, part)
+            whole = getattr(part, "pages", stop - start) == stop - start
+            if stop < len(hashes) and whole and not op.cancel.is_set():
+                workers.submit(self._slice, workers, op, call, hashes, host_pages, stop)
+                return
         except Exception as exc:   # noqa: BLE001 - a worker must always complete its event
             op.result = exc
-        finally:
-            op.done.set()
+        op.done.set()
+
+    def _patience(self, pages: int) -> float:
+        """Seconds a prefetch may run before it is terminated: the timeout policy's budget, and
+        for the other policies the cap, so a hung backend never stalls a request for good."""
+        cfg = self.config
+        if cfg.prefetch_policy == "timeout":
+            return cfg.prefetch_timeout(pages * cfg.page_size)
+        return cfg.prefetch_timeout_max_s
 
     # -- this rank's view for the agreement ---------------------------------------------------
 
@@ -89,7 +116,7 @@ class StorageTier:
                 break
             if op.done.query():
                 pages.append(self._fetched(op))
-            elif (policy == "best_effort" and op.wanted) or (policy == "timeout" and now > op.deadline):
+            elif (policy == "best_effort" and op.wanted) or now > op.deadline:
                 pages.append(0)
             else:
                 break
@@ -130,4 +157,10 @@ class StorageTier:
     def close(self) -> None:
         for op in self.prefetches:
             op.cancel.set()
-        self._workers.shutdown(wait=True)
+        self._prefetch_workers.shutdown(wait=True)
+        self._backup_workers.shutdown(wait=True)
+
+
+def _sum(a, b):
+    """Two slices' results of one op as one: counts add up, per-page lists concatenate."""
+    return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)})

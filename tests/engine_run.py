@@ -17,10 +17,13 @@ def run_cached(plugin: HiCachePlugin, spec: WorkloadSpec, model: ModelConfig,
                           witness=check)
     workload = Workload(spec)
 
-    try:
-        asyncio.run(scheduler.run(workload))
-    finally:
-        plugin.close()
+    async def run() -> None:
+        try:
+            await scheduler.run(workload)
+        finally:
+            await plugin.close()
+
+    asyncio.run(run())
     return workload.results()
 
 

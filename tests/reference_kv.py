@@ -19,6 +19,16 @@ def reference(model: ModelConfig, spec: WorkloadSpec, page_size: int) -> tuple[d
     return outputs, path
 
 
+def assert_like_reference(reports: list[dict], outputs: dict, name: str = "") -> dict:
+    """The ranks of one run made the same cache decisions, generated the reference's tokens and
+    found the reference's KV in every cached page; returns the first rank's report."""
+    first = reports[0]
+    assert all(r["digest"] == first["digest"] for r in reports), name
+    assert first["outputs"] == outputs, name
+    assert_kv_verified(reports, name)
+    return first
+
+
 def assert_kv_verified(reports: list[dict], name: str = "") -> None:
     """Every rank checked cached pages against the reference, and none differed."""
     assert sum(r["kv_mismatches"] for r in reports) == 0, (name, [r["kv_first_mismatch"] for r in reports])

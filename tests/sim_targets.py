@@ -1,7 +1,9 @@
 """Rank targets that run several small cached workloads in one launch (process start is costly)."""
 import dataclasses
+import time
 
 from hicache_async.cache import TieredCache
+from hicache_async.page_store import PageStore
 from hicache_async.rank_main import run_rank
 
 
@@ -19,4 +21,29 @@ async def skip_one_insert(ctx) -> dict:
             calls[0] += 1
             return list(pages) if calls[0] == 3 else original(self, tokens, pages, hashes)
         TieredCache.insert = insert
+    return await run_rank(ctx)
+
+
+async def odd_rank_fetches_less(ctx) -> dict:
+    """Rank `odd_rank` reports one page fewer from every prefetch that fetched any: ranks
+    disagree on prefetched pages, and only what every rank has may be committed."""
+    if ctx.coords.rank == ctx.payload["odd_rank"]:
+        original = PageStore.prefetch
+
+        def prefetch(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            result.pages = max(0, result.pages - 1)
+            return result
+        PageStore.prefetch = prefetch
+    return await run_rank(ctx)
+
+
+async def slow_prefetch(ctx) -> dict:
+    """Every prefetch takes `delay_s` before it starts reading: the timeout policy must end it."""
+    original = PageStore.prefetch
+
+    def prefetch(self, *args, **kwargs):
+        time.sleep(ctx.payload["delay_s"])
+        return original(self, *args, **kwargs)
+    PageStore.prefetch = prefetch
     return await run_rank(ctx)

@@ -8,10 +8,12 @@ from hicache_async.errors import StorageError
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.page_store import PageStore
 from hicache_async.pool import HostPool
-from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.storage import MISSING, WRONG_SIZE, open_storage, overlap
 from hicache_async.storage.objects import HEADER_BYTES, encode_header
 from hicache_async.topology import RankCoords
 from hicache_mooncake import MooncakeMaster, MooncakeStorage
+from hicache_mooncake import adapter as adapter_module
+from hicache_mooncake.adapter import _runs
 from hicache_mooncake.master import free_port
 from mooncake_fixture import mooncake_master, mooncake_storage  # noqa: F401  (fixtures)
 from test_keys import rank_layout
@@ -37,6 +39,29 @@ def test_round_trip_through_page_store(mooncake_storage, scheme, head_group, fir
     assert (got.pages, got.corrupt, got.errors) == (8, 0, 0)
     assert torch.equal(reader.tensor.flip(0), host.tensor)
     assert store.counters.bytes_read == store.counters.bytes_written == got.bytes
+
+
+def test_batches_are_one_call_inline_and_small_at_the_edges_when_pooled(monkeypatch):
+    sizes = [1 << 20] * 40
+    assert _runs(sizes, small_tail=True) == [range(40)]
+    monkeypatch.setattr(overlap, "CHECKSUM_WORKERS", 2)
+    puts, gets = _runs(sizes, small_tail=False), _runs(sizes, small_tail=True)
+    for runs in (puts, gets):
+        assert [i for r in runs for i in r] == list(range(40))
+    assert (len(puts[0]), len(gets[-1]), max(map(len, puts))) == (2, 2, 8)
+
+
+def test_pooled_checksums_over_several_calls_round_trip(mooncake_storage, monkeypatch):
+    monkeypatch.setattr(overlap, "CHECKSUM_WORKERS", 2)
+    monkeypatch.setattr(adapter_module, "EDGE_BYTES", 1)     # a call per object or two
+    monkeypatch.setattr(adapter_module, "RUN_BYTES", 2 * LAYOUT.page_bytes)
+    hashes = page_hashes(range(900, 932), 4)
+    store = PageStore(mooncake_storage, LAYOUT, make_key_scheme("unified", LAYOUT, RankCoords()))
+    host = _host(seed=7)
+    assert store.backup(hashes, host, list(range(8))).ok == [True] * 8
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(hashes, reader, list(range(8)))
+    assert (got.pages, got.corrupt, got.errors) == (8, 0, 0) and torch.equal(reader.tensor, host.tensor)
 
 
 def test_exists_is_the_leading_run_and_get_reports_misses(mooncake_storage):

@@ -5,8 +5,9 @@ one batch call, so a network backend pays one round trip per batch, not per page
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
 from ..errors import UsageError
@@ -14,6 +15,27 @@ from ..errors import UsageError
 ENTRY_POINT_GROUP = "hicache_async.storage"
 MISSING = -1     # batch_get: the object is absent (or the read failed)
 WRONG_SIZE = -2  # batch_get: the object is present but its size differs from the buffer's
+
+_call = threading.local()
+
+
+def call_abandoned() -> bool:
+    """Whether the caller of the adapter call running on this thread stopped waiting for it.
+
+    A caller that gave up (see `guarded.py`) may already have handed the call's buffers to
+    other data, so an adapter checks this before it writes into a caller's buffer again.
+    """
+    flag = getattr(_call, "abandoned", None)
+    return flag is not None and flag.is_set()
+
+
+def run_abandonable(abandoned: threading.Event, call: Callable[[], object]) -> object:
+    """Run `call` on this thread with `abandoned` as what `call_abandoned` reports."""
+    _call.abandoned = abandoned
+    try:
+        return call()
+    finally:
+        _call.abandoned = None
 
 
 class StorageAdapter(ABC):
@@ -44,14 +66,29 @@ class StorageAdapter(ABC):
     def register_memory(self, view: memoryview) -> None:
         """Hint that `view` will be a source or destination again (zero-copy backends pin it)."""
 
-    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[bool]:
-        """Like batch_set, each object given as the concatenation of its parts."""
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        """Like batch_set, each object given as the concatenation of its parts.
+
+        `ready(i)`, when given, must be called before object i's first part is read, and only
+        for objects that will be transferred: the caller may still be filling that part (a
+        checksum header computed beside the transfer) and ready blocks until it is final; the
+        other parts are final from the start. An adapter that sees an object is already
+        stored may skip it, uncalled, as a success.
+        """
+        if ready is not None:
+            for i in range(len(keys)):
+                ready(i)
         return self.batch_set(keys, [b"".join(p) for p in parts])
 
-    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[int]:
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
         """Like batch_get, each object scattered over its parts in order.
 
-        An object that does not fill its parts exactly is `WRONG_SIZE`.
+        An object that does not fill its parts exactly is `WRONG_SIZE`. `landed(start,
+        results)`, when given, is called as each run of objects is in place (their results as
+        batch_get would give them), so the caller can verify them while the bytes are still in
+        cache and the rest are in flight. Runs arrive in order and cover the whole batch.
         """
         sizes = [sum(p.nbytes for p in ps) for ps in parts]
         staging = [memoryview(bytearray(n)) for n in sizes]
@@ -66,6 +103,8 @@ class StorageAdapter(ABC):
                     memoryview(p).cast("B")[:] = buf[offset:offset + p.nbytes]
                     offset += p.nbytes
             out.append(n)
+        if landed is not None:
+            landed(0, out)
         return out
 
     def __enter__(self) -> "StorageAdapter":

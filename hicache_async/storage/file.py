@@ -2,28 +2,32 @@
 
 Writes go to a temp file that is renamed into place, so a reader sees a whole object or
 none. There is no fsync: a torn object after power loss fails its checksum and is a miss.
-Recency is the file's mtime (bumped on every read), so eviction is least-recently-used
-across every process sharing the directory, not just this one.
+Keys are content-addressed, so an object already stored is not written again. Recency is the
+file's mtime (bumped by a read when older than TOUCH_S), so eviction is least-recently-used
+across every process sharing the directory, not just this one. Each object is one `writev`
+or `readv` of all its parts, straight from and into the caller's buffers.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import StorageError
-from .base import MISSING, WRONG_SIZE, StorageAdapter
+from .base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_NAME = 200
 _LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
 _STALE_TEMP_S = 3600
+TOUCH_S = 1.0          # a read bumps an object's mtime only when it is older than this
 
 
 def object_name(key: str) -> str:
@@ -51,13 +55,16 @@ class FileStorage(StorageAdapter):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot create directory: {e.strerror}") from None
+        self._root = str(self.root)
         self._lock = threading.Lock()
-        self._dirs: set[Path] = set()  # fan-out directories known to exist
+        self._dirs: set[str] = set()  # fan-out directories known to exist
+        # temp file names: this process, this adapter, a serial: unique among the directory's writers
+        self._temp_prefix, self._temp_names = f".{os.getpid()}-{uuid.uuid4().hex[:8]}-", itertools.count()
         self._used = self._scan(remove_stale=True)[1]
 
-    def _path(self, key: str) -> Path:
+    def _path(self, key: str) -> str:
         name = object_name(key)
-        return self.root / name[:2] / name
+        return os.path.join(self._root, name[:2], name)
 
     def _scan(self, remove_stale: bool = False) -> tuple[list[tuple[float, int, str]], int]:
         """(mtime, size, path) of every object, oldest first, and their total size."""
@@ -90,31 +97,48 @@ class FileStorage(StorageAdapter):
 
     def batch_exists(self, keys: list[str]) -> int:
         n = 0
-        while n < len(keys) and self._path(keys[n]).is_file():
+        while n < len(keys) and os.path.isfile(self._path(keys[n])):
             n += 1
         return n
 
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[v] for v in values])
 
-    def batch_set_parts(self, keys: list[str], parts: list[Sequence]) -> list[bool]:
-        return [self._write(key, [memoryview(p).cast("B") for p in ps]) for key, ps in zip(keys, parts)]
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        out = []
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            path = self._path(key)
+            if call_abandoned():      # the caller has moved on: its buffers may hold other data
+                return out + [False] * (len(keys) - i)
+            if os.path.exists(path):
+                out.append(True)
+                continue
+            views = [memoryview(p).cast("B") for p in ps]
+            out.append(self._write(key, path, views, None if ready is None else lambda i=i: ready(i)))
+        return out
 
-    def _write(self, key: str, parts: list[memoryview]) -> bool:
+    def _write(self, key: str, path: str, parts: list[memoryview], ready: Callable[[], None] | None) -> bool:
+        """Write the object to a temp file, then rename it into place.
+
+        The parts after the first go first: by the time `ready` returns (the caller's header,
+        checksummed from the payload those writes just read), the payload is in cache.
+        """
         size = sum(p.nbytes for p in parts)
         if size > self.capacity_bytes:
             return False
-        path = self._path(key)
-        tmp = path.parent / f".{uuid.uuid4().hex}.tmp"
+        folder = os.path.dirname(path)
+        tmp = os.path.join(folder, f"{self._temp_prefix}{next(self._temp_names)}.tmp")
         try:
-            if path.parent not in self._dirs:
-                path.parent.mkdir(exist_ok=True)
-                self._dirs.add(path.parent)
+            if folder not in self._dirs:
+                os.makedirs(folder, exist_ok=True)
+                self._dirs.add(folder)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                for p in parts:
-                    while p.nbytes:
-                        p = p[os.write(fd, p):]
+                _write_at(fd, parts[1:], parts[0].nbytes)
+                if ready is not None:
+                    ready()
+                _write_at(fd, parts[:1], 0)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -130,11 +154,18 @@ class FileStorage(StorageAdapter):
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         return [self._read(key, [memoryview(b).cast("B")], exact=False) for key, b in zip(keys, buffers)]
 
-    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[int]:
-        return [self._read(key, [memoryview(p).cast("B") for p in ps], exact=True)
-                for key, ps in zip(keys, parts)]
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        out = []
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            out.append(self._read(key, [memoryview(p).cast("B") for p in ps], exact=True))
+            if landed is not None:
+                landed(i, out[-1:])
+        return out
 
     def _read(self, key: str, parts: list[memoryview], exact: bool) -> int:
+        if call_abandoned():      # the caller has moved on: its buffers are not ours to fill
+            return MISSING
         path = self._path(key)
         room = sum(p.nbytes for p in parts)
         try:
@@ -144,22 +175,35 @@ class FileStorage(StorageAdapter):
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot open {key}: {e.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size > room or (exact and size != room):
+            st = os.fstat(fd)
+            if st.st_size > room or (exact and st.st_size != room):
                 return WRONG_SIZE
             got = os.readv(fd, parts)
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot read {key}: {e.strerror}") from None
         finally:
             os.close(fd)
-        try:
-            os.utime(path)  # recency for LRU eviction
-        except OSError:
-            pass
-        return got if got == size else WRONG_SIZE
+        if time.time() - st.st_mtime > TOUCH_S:
+            try:
+                os.utime(path)  # recency for LRU eviction
+            except OSError:
+                pass
+        return got if got == st.st_size else WRONG_SIZE
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own files."""
+
+
+def _write_at(fd: int, parts: list[memoryview], offset: int) -> None:
+    """All of `parts`, in order, at `offset`; a short write is resumed where it stopped."""
+    while parts:
+        done = os.pwritev(fd, parts, offset)
+        offset += done
+        while parts and done >= parts[0].nbytes:
+            done -= parts[0].nbytes
+            parts = parts[1:]
+        if parts:
+            parts[0] = parts[0][done:]
 
 
 def _unlink(path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 from ..errors import StorageError
 from .base import MISSING, WRONG_SIZE, StorageAdapter
@@ -31,6 +32,20 @@ class MemoryStorage(StorageAdapter):
         with self._lock:
             self._objects.update(zip(keys, blobs))
         return [True] * len(keys)
+
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        """Objects already held are kept, unread (keys are content-addressed)."""
+        self._check()
+        with self._lock:
+            new = [i for i, key in enumerate(keys) if key not in self._objects]
+        for i in new if ready is not None else ():
+            ready(i)
+        stored = self.batch_set([keys[i] for i in new], [b"".join(parts[i]) for i in new]) if new else []
+        out = [True] * len(keys)
+        for i, ok in zip(new, stored):
+            out[i] = ok
+        return out
 
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         self._check()

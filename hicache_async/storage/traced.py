@@ -5,7 +5,7 @@ It wraps whatever backend was opened, so every adapter, third-party ones include
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .. import telemetry
 from ..errors import StorageError
@@ -35,11 +35,13 @@ class TracedStorage(StorageAdapter):
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         return self._call("batch_get", keys, self.inner.batch_get, buffers)
 
-    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[bool]:
-        return self._call("batch_set", keys, self.inner.batch_set_parts, parts)
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        return self._call("batch_set", keys, self.inner.batch_set_parts, parts, ready)
 
-    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[int]:
-        return self._call("batch_get", keys, self.inner.batch_get_parts, parts)
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        return self._call("batch_get", keys, self.inner.batch_get_parts, parts, landed)
 
     def register_memory(self, view: memoryview) -> None:
         self.inner.register_memory(view)

@@ -6,6 +6,14 @@ staging buffer. Return codes: -704 not found is a miss, -705 already exists is s
 (keys are content-addressed), -900 RPC failure is an outage (StorageError), other
 negatives fail just that object.
 
+Where the caller's checksums run on spare cores (`overlap.CHECKSUM_WORKERS`), a large batch
+moves in a few zero-copy calls (`_runs`) rather than one, so they overlap the transfer: the
+first put and the last get are small, since the first put waits for its headers and the
+last get's verification follows the call. Elsewhere a batch is one call: each extra call
+costs a master round trip and there is nothing to overlap. A put first asks which objects
+are already stored (one RPC): a put of a stored key reports plain success (not -705) without
+moving anything, and the caller checksums and counts only what is really written.
+
 Objects live in a segment some client mounts. A rank client mounts none by default
 (`segment_bytes=0`): its puts land in the segment holder started beside the master (see
 `holder.py`), so they outlive the rank. Give it `segment_bytes` only against a master with
@@ -14,20 +22,63 @@ no holder, knowing those objects go when the client closes.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from hicache_async.errors import StorageError, UsageError
-from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter
+from hicache_async.storage import overlap
+from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
 
 from .master import check_reachable
+
+log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 5.0   # how long close waits for calls still inside the client (a hung one)
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 SIZE_MISMATCH = (-600, -800)   # INVALID_PARAMS, TRANSFER_FAIL: what a buffer of the wrong size gets
 RPC_FAIL = -900
+RUN_BYTES = 8 << 20      # one zero-copy call moves about this much at most (it stays in cache)...
+EDGE_BYTES = 2 << 20     # ...and the first put / last get about this much, growing 2x a call
+
+
+def _runs(sizes: list[int], small_tail: bool) -> list[range]:
+    """Consecutive runs of objects, one call each, small at the head (puts) or tail (gets)."""
+    if not overlap.CHECKSUM_WORKERS:
+        return [range(len(sizes))] if sizes else []
+    order = sizes[::-1] if small_tail else sizes
+    runs, start, acc, limit = [], 0, 0, EDGE_BYTES
+    for i, n in enumerate(order):
+        acc += n
+        if acc >= limit:
+            runs.append(range(start, i + 1))
+            start, acc, limit = i + 1, 0, min(limit * 2, RUN_BYTES)
+    if start < len(order):
+        runs.append(range(start, len(order)))
+    if small_tail:
+        return [range(len(sizes) - r.stop, len(sizes) - r.start) for r in reversed(runs)]
+    return runs
+
+
+def _in_call(method):
+    """Counts a call while it is inside the client, so that `close` never frees it underneath."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        with self._calls:
+            if self._closed:
+                raise StorageError("mooncake storage is closed")
+            self._in_flight += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
+    return counted
 
 
 def _address(view: memoryview) -> int | None:
@@ -63,6 +114,8 @@ class MooncakeStorage(StorageAdapter):
         self._lock = threading.Lock()
         self._staging_bufs: dict[int, torch.Tensor] = {}  # by thread id
         self._closed = False
+        self._calls = threading.Condition()
+        self._in_flight = 0
 
     # -- memory --------------------------------------------------------------------------
 
@@ -101,35 +154,32 @@ class MooncakeStorage(StorageAdapter):
 
     def _plan(self, parts: list[Sequence[memoryview]]):
         """Pointers and sizes per object, plus (part, offset in staging) for staged parts."""
-        views = [[memoryview(p).cast("B") for p in ps] for ps in parts]
-        addrs = [[_address(v) for v in vs] for vs in views]
-        need = sum(v.nbytes for vs, ads in zip(views, addrs) for v, a in zip(vs, ads)
-                   if a is None or not self._pinned(a, v.nbytes))
-        base = self._staging(need).data_ptr() if need else 0
-        ptrs, sizes, staged, offset = [], [], [], 0
-        for vs, ads in zip(views, addrs):
-            row = []
-            for v, a in zip(vs, ads):
-                if a is None or not self._pinned(a, v.nbytes):
-                    staged.append((v, offset))
-                    a, offset = base + offset, offset + v.nbytes
-                row.append(a)
+        ptrs, sizes, unpinned, need = [], [], [], 0
+        for ps in parts:
+            row, row_sizes = [], []
+            for p in ps:
+                view = memoryview(p).cast("B")
+                ptr = _address(view)
+                if ptr is None or not self._pinned(ptr, view.nbytes):
+                    unpinned.append((row, len(row), view, need))
+                    need += view.nbytes
+                row.append(ptr)
+                row_sizes.append(view.nbytes)
             ptrs.append(row)
-            sizes.append([v.nbytes for v in vs])
-        return ptrs, sizes, staged, base
+            sizes.append(row_sizes)
+        base = self._staging(need).data_ptr() if need else 0
+        for row, i, view, offset in unpinned:
+            row[i] = base + offset
+        return ptrs, sizes, [(view, offset) for _, _, view, offset in unpinned], base
 
     # -- calls ---------------------------------------------------------------------------
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise StorageError("mooncake storage is closed")
 
     def _check(self, codes: list[int], op: str) -> None:
         if RPC_FAIL in codes:
             raise StorageError(f"mooncake {op} failed: master {self.master} unreachable (code {RPC_FAIL})")
 
+    @_in_call
     def batch_exists(self, keys: list[str]) -> int:
-        self._ensure_open()
         if not keys:
             return 0
         codes = self._store.batch_is_exist(keys)
@@ -143,20 +193,35 @@ class MooncakeStorage(StorageAdapter):
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[memoryview(v)] for v in values])
 
-    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[bool]:
-        self._ensure_open()
+    @_in_call
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
         if not keys:
             return []
-        ptrs, sizes, staged, base = self._plan(parts)
-        for view, offset in staged:
-            ctypes.memmove(base + offset, (ctypes.c_char * view.nbytes).from_buffer_copy(view)
-                           if view.readonly else _address(view), view.nbytes)
-        codes = self._store.batch_put_from_multi_buffers(keys, ptrs, sizes)
-        self._check(codes, "batch_put")
-        return [c == 0 or c == OBJECT_ALREADY_EXISTS for c in codes]
+        held = self._store.batch_is_exist(keys)
+        self._check(held, "batch_is_exist")
+        out = [True] * len(keys)
+        todo = [i for i, code in enumerate(held) if code != 1]
+        for run in _runs([sum(memoryview(p).nbytes for p in parts[i]) for i in todo], small_tail=False):
+            batch = [todo[j] for j in run]
+            if call_abandoned():    # the caller has moved on: its buffers may hold other data
+                for i in todo[run.start:]:
+                    out[i] = False
+                return out
+            for i in batch if ready is not None else ():
+                ready(i)
+            ptrs, sizes, staged, base = self._plan([parts[i] for i in batch])
+            for view, offset in staged:
+                ctypes.memmove(base + offset, (ctypes.c_char * view.nbytes).from_buffer_copy(view)
+                               if view.readonly else _address(view), view.nbytes)
+            codes = self._store.batch_put_from_multi_buffers([keys[i] for i in batch], ptrs, sizes)
+            self._check(codes, "batch_put")
+            for i, code in zip(batch, codes):
+                out[i] = code == 0 or code == OBJECT_ALREADY_EXISTS
+        return out
 
+    @_in_call
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
-        self._ensure_open()
         if not keys:
             return []
         ptrs, sizes, staged, base = self._plan([[b] for b in buffers])
@@ -165,15 +230,22 @@ class MooncakeStorage(StorageAdapter):
         self._unstage(staged, base)
         return [self._get_result(k, c) for k, c in zip(keys, codes)]
 
-    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]]) -> list[int]:
-        self._ensure_open()
-        if not keys:
-            return []
-        ptrs, sizes, staged, base = self._plan(parts)
-        codes = self._store.batch_get_into_multi_buffers(keys, ptrs, sizes)
-        self._check(codes, "batch_get")
-        self._unstage(staged, base)
-        return [self._get_result(k, c) for k, c in zip(keys, codes)]
+    @_in_call
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        out: list[int] = []
+        for run in _runs([sum(memoryview(p).nbytes for p in ps) for ps in parts], small_tail=True):
+            if call_abandoned():    # the caller has moved on: its buffers are not ours to fill
+                return out + [MISSING] * (len(keys) - len(out))
+            ptrs, sizes, staged, base = self._plan(parts[run.start:run.stop])
+            codes = self._store.batch_get_into_multi_buffers(keys[run.start:run.stop], ptrs, sizes)
+            self._check(codes, "batch_get")
+            self._unstage(staged, base)
+            results = [self._get_result(k, c) for k, c in zip(keys[run.start:run.stop], codes)]
+            out += results
+            if landed is not None:
+                landed(run.start, results)
+        return out
 
     @staticmethod
     def _unstage(staged, base: int) -> None:
@@ -190,9 +262,16 @@ class MooncakeStorage(StorageAdapter):
         return MISSING
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Close the client once no call is inside it: freeing it under a call abandoned by
+        its deadline (a dead master) would crash the process."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._calls.wait_for(lambda: self._in_flight == 0, CLOSE_WAIT_S):
+                log.warning("mooncake storage: %d calls still inside the client after %g s; it is "
+                            "left to process exit", self._in_flight, CLOSE_WAIT_S)
+                return
         for start, _ in self._regions:
             self._store.unregister_buffer(start)
         self._store.close()

@@ -1,0 +1,139 @@
+"""An adapter wrapper that turns a dead or hung backend into fast storage errors.
+
+Without it, a backend whose server died makes every call wait out the client's own retries
+(Mooncake: about 4 s each), and one that hangs stalls its op, and the step that retires it,
+for good. Two guards, around every backend:
+
+- a deadline: each call runs on a runner thread and the caller stops waiting after
+  `storage_timeout_s`, so a call that never returns becomes a StorageError. The abandoned
+  call keeps its thread (a daemon: it never blocks exit) and is told (`call_abandoned`),
+  so it writes nothing more into the caller's buffers, which may soon hold other data;
+- a circuit breaker: after `storage_breaker_failures` consecutive failed calls, calls fail
+  at once. Every `storage_retry_s` one of them starts a probe in the background (one cheap
+  `batch_exists` under the same deadline) instead of going through itself, so no real
+  transfer waits on a backend that is still down; the first probe that answers closes it.
+
+A failed call is a StorageError either way, which the page store counts and the cache
+carries on without: L1 and L2 keep serving.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from ..config import CacheConfig
+from ..daemon_threads import DaemonThreads
+from ..errors import StorageError
+from .base import StorageAdapter, run_abandonable
+
+log = logging.getLogger(__name__)
+PROBE_KEY = "hicache-async-probe"
+
+
+_RUNNERS = DaemonThreads("hicache-storage-call")   # shared by every guard in the process
+
+
+class GuardedStorage(StorageAdapter):
+    def __init__(self, inner: StorageAdapter, config: CacheConfig) -> None:
+        self.inner = inner
+        self.timeout_s = config.storage_timeout_s
+        self.failures_to_open = config.storage_breaker_failures
+        self.retry_s = config.storage_retry_s
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_reason: str | None = None   # set while the breaker is open
+        self._retry_at = 0.0
+        self._probing = False
+        self.opened = 0                        # times the breaker opened
+
+    # -- the two guards ------------------------------------------------------------------
+
+    def _call(self, op: str, call: Callable[[], object]):
+        self._admit()
+        try:
+            result = self._bounded(op, call)
+        except StorageError as exc:
+            self._failed(exc)
+            raise
+        with self._lock:
+            self._failures = 0
+        return result
+
+    def _bounded(self, op: str, call: Callable[[], object]):
+        abandoned = threading.Event()
+        future = _RUNNERS.submit(lambda: run_abandonable(abandoned, call))
+        try:
+            return future.result(self.timeout_s)
+        except FutureTimeout:
+            abandoned.set()
+            raise StorageError(f"storage {op} still running after {self.timeout_s:g} s; "
+                               f"given up on") from None
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self._open_reason is None:
+                return
+            if not self._probing and time.monotonic() >= self._retry_at:
+                self._probing = True
+                threading.Thread(target=self._probe, name="hicache-storage-probe", daemon=True).start()
+            reason = self._open_reason
+        raise StorageError(f"storage unavailable ({reason}); failing fast until a probe answers")
+
+    def _failed(self, exc: StorageError) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._open_reason is not None or self._failures < self.failures_to_open:
+                return
+            self._open_reason = f"{self._failures} calls failed in a row, the last: {exc}"
+            self._retry_at = time.monotonic() + self.retry_s
+            self.opened += 1
+        log.warning("storage breaker open after %d failed calls (%s); the cache carries on from "
+                    "L1/L2 and probes storage every %g s", self.failures_to_open, exc, self.retry_s)
+
+    def _probe(self) -> None:
+        try:
+            self._bounded("probe", lambda: self.inner.batch_exists([PROBE_KEY]))
+            answered = True
+        except Exception:  # noqa: BLE001 - any failure just means: still down
+            answered = False
+        with self._lock:
+            self._probing = False
+            if answered:
+                self._open_reason, self._failures = None, 0
+            else:
+                self._retry_at = time.monotonic() + self.retry_s
+        if answered:
+            log.warning("storage answers again: breaker closed")
+
+    # -- the adapter protocol --------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str]) -> int:
+        return self._call("batch_exists", lambda: self.inner.batch_exists(keys))
+
+    def batch_set(self, keys: list[str], values: list) -> list[bool]:
+        return self._call("batch_set", lambda: self.inner.batch_set(keys, values))
+
+    def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
+        return self._call("batch_get", lambda: self.inner.batch_get(keys, buffers))
+
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        return self._call("batch_set", lambda: self.inner.batch_set_parts(keys, parts, ready))
+
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        return self._call("batch_get", lambda: self.inner.batch_get_parts(keys, parts, landed))
+
+    def register_memory(self, view: memoryview) -> None:
+        """Passed straight through: a one-time local pinning of the host pool, not a transfer."""
+        self.inner.register_memory(view)
+
+    def close(self) -> None:
+        """Close the backend, under the deadline: a backend stuck in a call must not hang exit."""
+        try:
+            self._bounded("close", self.inner.close)
+        except StorageError as exc:
+            log.warning("%s; leaving it to process exit", exc)
