@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import faults
-from .config import KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+from .config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from .errors import HiCacheError, UsageError
 
 
@@ -82,7 +82,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-gbps", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
                    default=1.0, metavar="GB/S", help="L3 throughput assumed until prefetches measure it")
     p.add_argument("--key-scheme", choices=KEY_SCHEMES, default="rank-suffix")
-    p.add_argument("--cp-transfer", choices=("split", "rank0"), default="split")
+    p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
                    help="if the storage is unreachable at start, warn and run on L1/L2 only")
     p.add_argument("--seed", type=_non_negative, default=0)

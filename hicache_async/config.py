@@ -8,6 +8,7 @@ from .errors import UsageError
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 KEY_SCHEMES = ("rank-suffix", "unified")
+CP_MODES = ("split", "rank0")      # CP ranks split the writing, or only CP rank 0 transfers
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class CacheConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be a finite number "
                                  f"{'> 0' if name == 'l3_gbps' else '>= 0'}, got {getattr(self, name)}")
         for name, allowed in (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
-                              ("key_scheme", KEY_SCHEMES), ("cp_transfer", ("split", "rank0"))):
+                              ("key_scheme", KEY_SCHEMES), ("cp_transfer", CP_MODES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"unknown {name.replace('_', '-')} {getattr(self, name)!r}: "
                                  f"expected one of {', '.join(allowed)}")

@@ -10,7 +10,8 @@ from typing import Any
 from .events import CompletionEvent
 from .radix import Node
 
-TIERS = {"write": ("l1", "l2"), "load": ("l2", "l1"), "backup": ("l2", "l3"), "prefetch": ("l3", "l2")}
+# The tiers each kind of transfer moves pages between: (source, destination).
+ROUTES = {"write": ("l1", "l2"), "load": ("l2", "l1"), "backup": ("l2", "l3"), "prefetch": ("l3", "l2")}
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import faults
+from .config import CP_MODES
 from .errors import StorageError, UsageError
 from .keys import KeyScheme, ObjectSpec
 from .layout import KVLayout
@@ -34,7 +35,6 @@ from .storage.objects import HEADER_BYTES, CorruptObject, encode_header, verify
 from .storage.overlap import Ahead, Behind
 from .topology import RankCoords
 
-CP_MODES = ("split", "rank0")
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 
 

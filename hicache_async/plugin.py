@@ -19,7 +19,7 @@ from .config import CacheConfig
 from .errors import PoolExhausted, UsageError
 from .events import first_completion
 from .keys import make_key_scheme, page_hashes
-from .ops import TIERS, AckQueue, CacheOp
+from .ops import ROUTES, AckQueue, CacheOp
 from .page_store import PageStore
 from .plugin_api import EngineContext, KVPlugin
 from .prefetch_cost import Decision, PrefetchCost
@@ -41,7 +41,7 @@ class HiCachePlugin(KVPlugin):
         self.step_us: list[float] = []
         self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
                       "tokens_from_l3": 0, "tokens_computed": 0}
-        self.transfers = {kind: 0 for kind in TIERS}
+        self.transfers = {kind: 0 for kind in ROUTES}
         self.metrics = telemetry.CacheMetrics()
         self._prefetching: dict[int, Request] = {}
         self._origins: dict[int, list[str]] = {}     # request id -> tier of each cached page
@@ -287,7 +287,7 @@ class HiCachePlugin(KVPlugin):
             pass
 
     def _trace_issue(self, op: CacheOp, request_ids: list[int]) -> None:
-        src, dst = TIERS[op.kind]
+        src, dst = ROUTES[op.kind]
         links = [telemetry.request_link(self.engine.run_id, r) for r in request_ids]
         op.span = telemetry.start_transfer(
             op.kind, src=src, dst=dst, pages=op.pages, nbytes=op.nbytes, coords=self.engine.coords,

@@ -23,7 +23,7 @@ from .reference import reference_run
 from .topology import check_topology
 from .trace_file import merge_trace_files, part_path
 
-TIERS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
+TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
 STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")
 
 
@@ -117,7 +117,7 @@ def storage_spec(args: RunArgs):
         yield {"name": "file", "options": options}
     elif args.storage == "mooncake":
         try:
-            from hicache_mooncake.master import MooncakeMaster, check_reachable
+            from hicache_mooncake.master import MooncakeMaster, check_reachable, default_metadata_url
         except ImportError as exc:
             raise HiCacheError(f"--storage mooncake needs the mooncake extra: {exc}") from None
         if args.mooncake_master:
@@ -138,14 +138,6 @@ def storage_spec(args: RunArgs):
                                                     "metadata_url": master.metadata_url}}
     else:
         raise UsageError(f"unknown --storage {args.storage!r}: expected memory, file, mooncake or none")
-
-
-def default_metadata_url(master: str) -> str:
-    """The metadata server a master at HOST:PORT serves by default: http://HOST:8080/metadata."""
-    host, sep, port = master.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UsageError(f"--mooncake-master must be HOST:PORT, got {master!r}")
-    return f"http://{host}:8080/metadata"
 
 
 def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,
@@ -169,7 +161,7 @@ def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float
         "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
         "storage": args.storage, "storage_used": storage_used, "run_id": run_id,
         "prompt_tokens": first["prompt_tokens"],
-        **{k: first[k] for k in TIERS},
+        **{k: first[k] for k in TOKEN_FIELDS},
         "ranks_agree": ranks_agree,
         "kv_verified_pages": sum(r["kv_verified_pages"] for r in reports),
         "kv_mismatches": sum(r["kv_mismatches"] for r in reports),
@@ -184,7 +176,7 @@ def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float
     }
     total = max(1, out["prompt_tokens"])
     out["tiers"] = {k.removeprefix("tokens_").removeprefix("from_"): {
-        "tokens": out[k], "share": round(out[k] / total, 4)} for k in TIERS}
+        "tokens": out[k], "share": round(out[k] / total, 4)} for k in TOKEN_FIELDS}
     return out
 
 

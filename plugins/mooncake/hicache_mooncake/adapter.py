@@ -33,7 +33,7 @@ from hicache_async.errors import StorageError, UsageError
 from hicache_async.storage import overlap
 from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
 
-from .master import check_reachable
+from .master import check_reachable, default_metadata_url
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 5.0   # how long close waits for calls still inside the client (a hung one)
@@ -93,11 +93,8 @@ class MooncakeStorage(StorageAdapter):
                  segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
                  local_hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  connect_timeout_s: float = 3.0, **_options) -> None:
-        host, _, port = master.rpartition(":")
-        if not host or not port.isdigit():
-            raise UsageError(f"mooncake master must be HOST:PORT, got {master!r}")
         self.master = master
-        self.metadata_url = metadata_url or f"http://{host}:8080/metadata"
+        self.metadata_url = metadata_url or default_metadata_url(master)
         # setup() retries for ~90 s against a dead master; probe first so that fails fast.
         check_reachable(master, self.metadata_url, connect_timeout_s)
         try:

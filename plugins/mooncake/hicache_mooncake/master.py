@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache_async.errors import StorageError
+from hicache_async.errors import StorageError, UsageError
 from hicache_async.ranks.launcher import die_with_parent
 
 
@@ -208,6 +208,14 @@ def _last_line(f) -> str:
     except (OSError, ValueError):
         return ""
     return f": {lines[-1]}" if lines else ""
+
+
+def default_metadata_url(master: str) -> str:
+    """The metadata server a master at HOST:PORT serves by default: http://HOST:8080/metadata."""
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--mooncake-master must be HOST:PORT, got {master!r}")
+    return f"http://{host}:8080/metadata"
 
 
 def _dies_with_us():
