@@ -19,6 +19,7 @@ from .config import CacheConfig
 from .errors import PoolExhausted, UsageError
 from .events import first_completion
 from .keys import make_key_scheme, page_hashes
+from .op_tracing import OpTracer
 from .ops import ROUTES, AckQueue, CacheOp
 from .page_store import PageStore
 from .plugin_api import EngineContext, KVPlugin
@@ -42,12 +43,11 @@ class HiCachePlugin(KVPlugin):
         self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
                       "tokens_from_l3": 0, "tokens_computed": 0}
         self.transfers = {kind: 0 for kind in ROUTES}
-        self.metrics = telemetry.CacheMetrics()
         self._prefetching: dict[int, Request] = {}
         self._origins: dict[int, list[str]] = {}     # request id -> tier of each cached page
         self._decisions: dict[int, Decision] = {}    # request id -> its L3 prefetch decision
-        self._step_span = None
         self.most_pending_sends = 0
+        self.tracer: OpTracer | None = None     # from attach: it needs the engine's placement
         self.prefetches_terminated = 0   # by this rank's policy clock, before they finished
 
     def attach(self, engine: EngineContext) -> None:
@@ -59,8 +59,9 @@ class HiCachePlugin(KVPlugin):
                              f"would let rank trees diverge")
         if engine.layout.page_size != cfg.page_size:
             raise UsageError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
+        self.tracer = OpTracer(engine.run_id, engine.coords, cfg.key_scheme)
         self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages),
-                                 on_issue=self._trace_issue)
+                                 on_issue=self.tracer.issue)
         self.l3 = None
         self._no_l3 = SimpleNamespace(backups=AckQueue("backup"), prefetches=AckQueue("prefetch"))
         if self.storage is not None:
@@ -114,7 +115,7 @@ class HiCachePlugin(KVPlugin):
         req.cached = req.kv_len = match.device_tokens + host_tokens
         req.lock = lock
         self._origins[req.id] = origin
-        self._trace_admission(req, match.device_tokens, host_tokens)
+        self.tracer.admission(req, match.device_tokens, host_tokens, self._decisions.get(req.id))
         self._count("tokens_from_l1", match.device_tokens)
         self._count("tokens_computed", len(req.prompt) - req.cached)
         self.stats["prompt_tokens"] += len(req.prompt)
@@ -200,21 +201,21 @@ class HiCachePlugin(KVPlugin):
         if isinstance(self.agreement, LocalAgreement) and not self.busy():
             self.step_us.append((time.perf_counter() - start) * 1e6)
             return
-        self._begin_step_span()
+        self.tracer.begin_step(self.step)
         await self.agreement.reap()
         queues = self._queues()
         writes, loads, backups, prefetches = queues
         n_prefetch, prefetch_pages = self.l3.prefetch_view() if self.l3 else (0, [])
         msg = pack((writes.ready(), loads.ready(), backups.ready(), n_prefetch), prefetch_pages,
                    self.cache.digest, self.prefetch_cost.offer())
-        with telemetry.pp_sync_span(self.engine.coords, parent=self._step_span) as span:
+        with telemetry.pp_sync_span(self.engine.coords, parent=self.tracer.step_span) as span:
             agreed = await self.agreement.agree(msg, self.step, l3_pending=len(backups) + len(prefetches) > 0)
             if span.is_recording():
                 span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed})
         self.prefetch_cost.agreed(agreed[L3_KBPS])
         await self._retire(agreed)
         for queue in queues:
-            self.metrics.queue_depth(queue.kind, len(queue))
+            self.tracer.metrics.queue_depth(queue.kind, len(queue))
         self.most_pending_sends = max(self.most_pending_sends, self.agreement.pending_sends)
         self.step_us.append((time.perf_counter() - start) * 1e6)
 
@@ -253,51 +254,12 @@ class HiCachePlugin(KVPlugin):
             raise CopyFailed(f"{self.engine.coords.label()}: {op.kind} op of {op.pages} pages failed: "
                              f"{op.done.error}")
         self.transfers[op.kind] += 1
-        result = getattr(op, "result", None)
-        error = result if isinstance(result, Exception) else None
-        failed = {f"hicache.{name}": getattr(result, name, 0) for name in ("errors", "corrupt", "missing")
-                  if result is not None}
-        for reason in ("corrupt", "missing"):
-            if failed.get(f"hicache.{reason}"):
-                self.metrics.bad_objects(reason, failed[f"hicache.{reason}"])
-        self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
-        if op.span is not None:
-            outcome = "error" if error is not None or any(failed.values()) else "ok"
-            telemetry.finish_transfer(op.span, result=outcome, error=error,
-                                      attrs={"hicache.retired_step": self.step, **failed, **(attrs or {})})
-
-    # -- telemetry ----------------------------------------------------------------------
-
-    def _begin_step_span(self) -> None:
-        if self._step_span is not None:
-            self._step_span.end()
-        self._step_span = telemetry.begin_step(self.engine.run_id, self.step, self.engine.coords)
-
-    def _trace_admission(self, req: Request, device_tokens: int, host_tokens: int) -> None:
-        """A `hicache.request` span per rank in the request's own trace: where links lead."""
-        if not telemetry.tracing_enabled():
-            return
-        attrs = {"hicache.prompt_tokens": len(req.prompt), "hicache.tokens.l1": device_tokens,
-                 "hicache.tokens.l2_l3": host_tokens}
-        decision = self._decisions.get(req.id)
-        if decision is not None:
-            attrs.update(decision.attributes())
-        with telemetry.request_span(self.engine.run_id, req.id, self.engine.coords, step=self._step_span,
-                                    attrs=attrs):
-            pass
-
-    def _trace_issue(self, op: CacheOp, request_ids: list[int]) -> None:
-        src, dst = ROUTES[op.kind]
-        links = [telemetry.request_link(self.engine.run_id, r) for r in request_ids]
-        op.span = telemetry.start_transfer(
-            op.kind, src=src, dst=dst, pages=op.pages, nbytes=op.nbytes, coords=self.engine.coords,
-            key_scheme=self.config.key_scheme if op.kind in ("backup", "prefetch") else None,
-            links=links, parent=self._step_span)
+        self.tracer.retired(op, self.step, attrs)
 
     def _count(self, stat: str, n: int) -> None:
         self.stats[stat] += n
         if n:
-            self.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
+            self.tracer.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
 
     def report(self) -> dict:
         counters = self.l3.store.counters if self.l3 else None
@@ -315,9 +277,8 @@ class HiCachePlugin(KVPlugin):
     async def close(self) -> None:
         """Awaitable: joining the storage and copy workers and flushing the pipeline sends
         happen off the event loop, so the loop's other tasks (telemetry, peers) keep running."""
-        if self._step_span is not None:
-            self._step_span.end()
-            self._step_span = None
+        if self.tracer is not None:
+            self.tracer.end()
         if self.l3 is not None:
             await anyio.to_thread.run_sync(self.l3.close)
         await anyio.to_thread.run_sync(self.cache.close)
