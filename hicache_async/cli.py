@@ -9,6 +9,7 @@ import sys
 from . import faults
 from .config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from .errors import HiCacheError, UsageError
+from .storage.base import storage_names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,7 +60,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """Topology, cache, storage and telemetry flags: the same for every job on simulated ranks."""
     for flag in ("--tp", "--pp", "--cp"):
         p.add_argument(flag, type=_positive, default=1)
-    p.add_argument("--storage", choices=("memory", "file", "mooncake", "none"), default="file")
+    p.add_argument("--storage", choices=[*storage_names(), "none"], default="file",
+                   help="an L3 backend from the hicache_async.storage entry points, or none")
     p.add_argument("--storage-path", help="file storage directory (default: simulate a per-user cache, "
                                           "replay a fresh temporary one)")
     p.add_argument("--l3-capacity", type=_size, metavar="BYTES",

@@ -114,6 +114,11 @@ class StorageAdapter(ABC):
         self.close()
 
 
+def storage_names() -> list[str]:
+    """Every backend registered in the `hicache_async.storage` entry points, ours or installed."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
 def open_storage(name: str, **options) -> StorageAdapter:
     """The adapter registered under `name` in the `hicache_async.storage` entry points."""
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
