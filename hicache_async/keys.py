@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
+
 from .errors import UsageError
 from .layout import KVLayout
 from .topology import RankCoords
@@ -27,26 +29,38 @@ def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = No
     ids as 4-byte little-endian unsigned ints, so a page's key fixes its whole prefix.
     Never Python's `hash()`: it is salted per process and would miss across processes.
     """
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
     try:
         prev = bytes.fromhex(prior) if prior is not None else b""
     except ValueError:
         raise ValueError(f"prior must be a hex digest, got {prior!r}") from None
+    return [d.hex() for d in page_digests(token_ids, page_size, prev)]
+
+
+def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: bytes = b"") -> list[bytes]:
+    """`page_hashes` as raw digest bytes, for callers that chain or index them by the million."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    data = _packed(token_ids)
+    step = page_size * 4
+    out, prev = [], prior
+    for start in range(0, len(data) - step + 1, step):
+        prev = hashlib.sha256(prev + data[start:start + step]).digest()
+        out.append(prev)
+    return out
+
+
+def _packed(token_ids: Iterable[int] | np.ndarray) -> bytes:
+    """Token ids as 4-byte little-endian unsigned ints, packed in one C loop for all pages."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype.kind == "u" and token_ids.dtype.itemsize <= 4:
+        return token_ids.astype("<u4", copy=False).tobytes()
     tokens = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
     try:
-        packed = array("I", tokens)      # 4-byte unsigned, packed in one C loop for all pages
+        packed = array("I", tokens)
     except (OverflowError, TypeError):
         raise ValueError(f"token id {_bad_token(tokens)!r} does not fit in 4 unsigned bytes") from None
     if sys.byteorder == "big":
         packed.byteswap()
-    data = packed.tobytes()
-    step = page_size * 4
-    out = []
-    for start in range(0, len(data) - step + 1, step):
-        prev = hashlib.sha256(prev + data[start:start + step]).digest()
-        out.append(prev.hex())
-    return out
+    return packed.tobytes()
 
 
 def _bad_token(tokens: list) -> object:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine.replay_trace import TraceRequest, page_digests, prompt_tokens
+from .engine.replay_trace import TraceRequest, prompt_tokens
+from .keys import page_digests
 
 
 @dataclass(frozen=True)

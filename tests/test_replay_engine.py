@@ -5,9 +5,9 @@ import torch
 
 from hicache_async.engine.replay_kv import ReplayKV, page_seed
 from hicache_async.engine.replay_model import next_tokens
-from hicache_async.engine.replay_trace import TraceRequest, page_digests, prompt_tokens
+from hicache_async.engine.replay_trace import TraceRequest, prompt_tokens
 from hicache_async.engine.replay_workload import ReplaySeq
-from hicache_async.keys import page_hashes
+from hicache_async.keys import page_digests, page_hashes
 from hicache_async.oracle import unbounded_oracle
 from hicache_async.request import Request
 
@@ -28,7 +28,8 @@ def test_equal_block_ids_give_equal_tokens_and_shared_prefix_pages():
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64, 512])
-def test_page_digests_are_the_caches_page_hashes(page_size):
+def test_replay_prompts_hash_like_the_token_lists_the_cache_sees(page_size):
+    """The array fast path packs a prompt exactly as the list path packs `req.prompt`."""
     tokens = prompt_tokens(_req([3, 4], 1000))
     assert [d.hex() for d in page_digests(tokens, page_size)] == page_hashes(tokens.tolist(), page_size)
 

@@ -7,7 +7,6 @@ prefixes in the trace stay shared token prefixes here, and so shared cache pages
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -98,15 +97,3 @@ def prompt_tokens(req: TraceRequest, seed: int = 0) -> np.ndarray:
     x = ids[:, None] * np.uint64(BLOCK_TOKENS) + np.arange(BLOCK_TOKENS, dtype=np.uint64)
     tokens = splitmix64(x ^ key) % np.uint64(VOCAB)
     return tokens.reshape(-1)[: req.input_length].astype(np.uint32)
-
-
-def page_digests(tokens: np.ndarray, page_size: int, prior: bytes = b"") -> list[bytes]:
-    """Chained SHA-256 of each full page: the same chain as `keys.page_hashes` (digest bytes
-    here, hex there), computed from the packed array instead of per-token packing."""
-    packed = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-    step = 4 * page_size
-    out, prev = [], prior
-    for start in range(0, len(packed) - step + 1, step):
-        prev = hashlib.sha256(prev + packed[start:start + step]).digest()
-        out.append(prev)
-    return out

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from ..keys import page_digests
 from ..request import Request
-from .replay_trace import TraceRequest, page_digests, prompt_tokens
+from .replay_trace import TraceRequest, prompt_tokens
 from .virtual_clock import CostModel, VirtualClock
 
 
