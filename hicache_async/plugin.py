@@ -21,7 +21,7 @@ from .events import first_completion
 from .keys import make_key_scheme, page_hashes
 from .op_tracing import OpTracer
 from .ops import ROUTES, AckQueue, CacheOp
-from .page_store import PageStore
+from .page_store import PageStore, StoreCounters
 from .plugin_api import EngineContext, KVPlugin
 from .prefetch_cost import Decision, PrefetchCost
 from .pool import HostPool
@@ -75,7 +75,8 @@ class HiCachePlugin(KVPlugin):
             store = PageStore(traced, engine.layout, keys, engine.coords, cp_mode=cfg.cp_transfer)
             self.l3 = StorageTier(self.cache, store, cfg)
         self.prefetch_cost = PrefetchCost(engine.layout, engine.coords, prefill_us_per_token=cfg.prefill_us_per_token,
-                                          l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us)
+                                          l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us,
+                                          threshold_tokens=cfg.prefetch_threshold)
 
     # -- admission and completion ------------------------------------------------------------
 
@@ -122,15 +123,12 @@ class HiCachePlugin(KVPlugin):
         return True
 
     def _start_prefetch(self, req: Request, tokens: list[int], match, cached_pages: int) -> bool:
-        cfg = self.config
-        ps = cfg.page_size
+        ps = self.config.page_size
         full = len(tokens) // ps
         missing = full - cached_pages
         if missing <= 0:
             return False
         decision = self.prefetch_cost.decide(missing, missing * ps)
-        if cfg.prefetch_threshold is not None:     # the explicit override
-            decision = dataclasses.replace(decision, fetch=missing * ps >= max(cfg.prefetch_threshold, ps))
         self._decisions[req.id] = decision
         if not decision.fetch:
             return False
@@ -262,13 +260,11 @@ class HiCachePlugin(KVPlugin):
             self.tracer.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
 
     def report(self) -> dict:
-        counters = self.l3.store.counters if self.l3 else None
+        counters = self.l3.store.counters if self.l3 else StoreCounters()
         return {**self.stats, "transfers": dict(self.transfers), "steps": self.step,
                 "digest": self.cache.digest, "storage_errors": self.l3.errors if self.l3 else 0,
-                "corrupt_objects": counters.corrupt_objects if counters else 0,
-                "missing_objects": counters.missing_objects if counters else 0,
-                "l3_bytes_written": counters.bytes_written if counters else 0,
-                "l3_bytes_read": counters.bytes_read if counters else 0,
+                "corrupt_objects": counters.corrupt_objects, "missing_objects": counters.missing_objects,
+                "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "prefetches_terminated": self.prefetches_terminated,
                 "pp_sync": self.agreement.counts(),

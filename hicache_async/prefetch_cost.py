@@ -8,8 +8,8 @@ and fetches too eagerly where L3 is slow. Here a prefetch is issued when
 Every rank must decide alike, so the inputs are either configured (prefill cost, latency) or
 agreed: each rank offers the throughput of the prefetches it completed, the step message
 carries the MIN (the slowest rank bounds a prefetch), and every rank folds that same number
-into the same running estimate at the same step. Page bytes are the model's page divided by
-the pp x tp split, the same figure on every rank.
+into the same running estimate at the same step. Page bytes are a rank's share of the
+model's page, worked out from global figures so that it is the same on every rank.
 """
 from __future__ import annotations
 
@@ -35,19 +35,25 @@ class Decision:
 
 class PrefetchCost:
     def __init__(self, layout: KVLayout, coords: RankCoords, *, prefill_us_per_token: float,
-                 l3_gbps: float, l3_latency_us: float) -> None:
-        tp_split = coords.tp_size if layout.attention == "mha" else 1
-        model_page = layout.total_layers * layout.planes * layout.page_size * layout.total_kv_heads \
-            * layout.head_dim * layout.dtype.itemsize
-        self.page_bytes = model_page / (coords.pp_size * tp_split)
+                 l3_gbps: float, l3_latency_us: float, threshold_tokens: int | None = None) -> None:
+        # Per-rank bytes of a page from global figures only: TP splits the heads (replicating
+        # each above their number; MLA's one latent is never split), PP the layers.
+        heads = layout.total_kv_heads / min(coords.tp_size, layout.total_kv_heads)
+        self.page_bytes = (layout.layer_page_bytes / layout.kv_heads * heads
+                           * layout.total_layers / coords.pp_size)
+        self.threshold_tokens, self.page_size = threshold_tokens, layout.page_size
         self.prefill_s = prefill_us_per_token * 1e-6
         self.latency_s = l3_latency_us * 1e-6
         self.bytes_per_s = l3_gbps * 1e9
         self._offer = NOT_READY
 
     def decide(self, pages: int, tokens: int) -> Decision:
+        """Fetch when it beats recomputing; an explicit token threshold overrides the rule (the
+        costs are still worked out, for the spans)."""
         fetch_s = self.latency_s + pages * self.page_bytes / self.bytes_per_s
         recompute_s = tokens * self.prefill_s
+        if self.threshold_tokens is not None:
+            return Decision(tokens >= max(self.threshold_tokens, self.page_size), fetch_s, recompute_s)
         return Decision(fetch_s < recompute_s, fetch_s, recompute_s)
 
     def observe(self, nbytes: int, seconds: float) -> None:

@@ -7,6 +7,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from .agreement import LocalAgreement
 from .config import CacheConfig
 from .engine.kv_record import RecordedKV
@@ -57,7 +59,7 @@ def _kv_check(ctx, model: TinyModel, page_size: int) -> KVCheck | None:
         return None
     layout = model.kv_layout(page_size)
     truth = RecordedKV(path, layout)
-    return KVCheck(truth.expected, page_size, layout.num_layers, layout.first_layer, ctx.coords, exact=False)
+    return KVCheck(truth.expected, layout, ctx.coords, exact=False)
 
 
 @contextlib.asynccontextmanager
@@ -74,8 +76,8 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
         yield plugin
     finally:
         await plugin.close()
-        if storage is not None:
-            storage.close()
+        if storage is not None:     # may wait for a call stuck in a dead backend: off the loop
+            await anyio.to_thread.run_sync(storage.close)
 
 
 def progress_reporter(ctx) -> Callable[[Request], None]:

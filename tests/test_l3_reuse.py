@@ -59,6 +59,9 @@ def test_the_bandwidth_estimate_moves_only_by_agreed_samples():
     cost = PrefetchCost(LAYOUT, RankCoords(tp_size=2, tp_rank=1), prefill_us_per_token=50, l3_gbps=1.0,
                         l3_latency_us=0)
     assert cost.page_bytes == LAYOUT.page_bytes / 2       # this rank's share, the same on every rank
+    replica = PrefetchCost(LAYOUT, RankCoords(tp_size=4, tp_rank=3), prefill_us_per_token=50, l3_gbps=1.0,
+                           l3_latency_us=0)
+    assert replica.page_bytes == LAYOUT.page_bytes / 2    # tp4 on 2 heads: each rank holds one whole head
     cost.observe(nbytes=10_000_000, seconds=1.0)          # 10 MB/s seen by this rank
     cost.observe(nbytes=40_000_000, seconds=1.0)
     assert cost.offer() == 10_000 and cost.offer() == NOT_READY   # the slowest, offered once

@@ -53,7 +53,7 @@ def test_kv_is_a_pure_function_sliced_by_global_layer_and_head():
     part = ReplayKV(4, 2, 4, 16, range(2, 4), range(1, 2))            # pp stage 1, tp rank 1
     assert torch.equal(part.pages(seeds), values[2:4, :, :, :, 1:2, :])
     hexes = [bytes([i]).hex() * 32 for i in range(5)]
-    assert torch.equal(part.expected(hexes, 0, 1), values[3, :, :, :, 1:2, :])
+    assert torch.equal(part.expected(hexes, 1), values[3, :, :, :, 1:2, :])
 
 
 def test_outputs_are_a_pure_function_of_the_prompt_and_their_index():

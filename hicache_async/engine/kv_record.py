@@ -52,7 +52,7 @@ class RecordedKV:
         self._layers = slice(layout.first_layer, layout.first_layer + layout.num_layers)
         self._heads = slice(layout.first_head, layout.first_head + layout.kv_heads)
 
-    def expected(self, hashes: list[str], first_page: int, layer: int) -> torch.Tensor:
+    def expected(self, hashes: list[str], layer: int) -> torch.Tensor:
         """Recorded KV of these pages for local layer `layer`: [pages, planes, ps, heads, dim]."""
         rows = [self.row[h] for h in hashes]
         global_layer = self._layers.start + layer

@@ -12,12 +12,14 @@ from collections.abc import Callable
 import torch
 
 from ..keys import page_hashes
+from ..layout import KVLayout
 from ..request import Request
 from ..topology import RankCoords
 
-# Truth for one local layer of some pages: (page hashes, first page index, local layer) ->
-# [pages, planes, page_size, heads, dim], shaped and placed like the device pool's pages.
-Expected = Callable[[list[str], int, int], torch.Tensor]
+# Truth for one local layer of some pages: (page hashes, local layer) -> [pages, planes,
+# page_size, heads, dim], shaped and placed like the device pool's pages. A page's chained
+# hash fixes its prefix and so its position.
+Expected = Callable[[list[str], int], torch.Tensor]
 
 
 class KVWitness:
@@ -37,32 +39,32 @@ class KVCheck(KVWitness):
     float64 math was batched differently; any injected fault is many orders above that.
     """
 
-    def __init__(self, expected: Expected, page_size: int, num_layers: int, first_layer: int = 0,
-                 coords: RankCoords = RankCoords(), exact: bool = True) -> None:
-        self.expected, self.page_size = expected, page_size
-        self.num_layers, self.first_layer, self.coords, self.exact = num_layers, first_layer, coords, exact
+    def __init__(self, expected: Expected, layout: KVLayout, coords: RankCoords = RankCoords(),
+                 exact: bool = True) -> None:
+        self.expected, self.layout, self.coords, self.exact = expected, layout, coords, exact
         self.verified_pages = 0
         self.mismatches = 0
         self.first_mismatch: str | None = None
-        self._open: dict[int, tuple[list[str], set[int]]] = {}   # request id -> (hashes, bad pages)
+        # request id -> (its cached pages' hashes, their device page ids, the pages found bad)
+        self._open: dict[int, tuple[list[str], torch.Tensor, set[int]]] = {}
 
     def before_read(self, req: Request, layer: int, kv_layer: torch.Tensor, origin: list[str]) -> None:
-        ps = self.page_size
+        ps = self.layout.page_size
         n = req.cached // ps
         if not n:
             return
         if req.id not in self._open:
-            self._open[req.id] = (page_hashes(req.prompt[: n * ps], ps), set())
-        hashes, bad = self._open[req.id]
-        got = kv_layer[torch.tensor(req.pages[:n])]
-        want = self.expected(hashes, 0, layer).to(got.dtype)
+            self._open[req.id] = (page_hashes(req.prompt[: n * ps], ps), torch.tensor(req.pages[:n]), set())
+        hashes, pages, bad = self._open[req.id]
+        got = kv_layer[pages]
+        want = self.expected(hashes, layer).to(got.dtype)
         if not self._same(got, want):
             close = self._close(got, want).flatten(1).all(dim=1)
             for page in (~close).nonzero().flatten().tolist():
                 if page not in bad:      # counted once per page, named at its first bad layer
                     self._mismatch(req, page, layer, origin, float((got[page] - want[page]).abs().max()))
                     bad.add(page)
-        if layer == self.num_layers - 1:
+        if layer == self.layout.num_layers - 1:
             self.verified_pages += n - len(bad)
             del self._open[req.id]
 
@@ -77,7 +79,7 @@ class KVCheck(KVWitness):
         if self.first_mismatch is None:
             tier = origin[page] if page < len(origin) else "cache"
             self.first_mismatch = (f"{self.coords.label()}: KV mismatch in request {req.id}, page {page}, "
-                                   f"layer {self.first_layer + layer}, served from {tier} "
+                                   f"layer {self.layout.first_layer + layer}, served from {tier} "
                                    f"(max abs diff {diff:.3g})")
 
     def report(self) -> dict:

@@ -55,7 +55,6 @@ class ReplayKV:
         kv = torch.from_numpy(bits.view(np.float16)).view(len(table), len(seeds), *self.shape[1:])
         return kv if layer is None else kv[0]
 
-    def expected(self, hashes: list[str], first_page: int, layer: int) -> torch.Tensor:
-        """What `KVCheck` compares with: the KV of one local layer of pages named by hex hash
-        (a hash fixes its page's position, so `first_page` adds nothing)."""
+    def expected(self, hashes: list[str], layer: int) -> torch.Tensor:
+        """What `KVCheck` compares with: the KV of one local layer of pages named by hex hash."""
         return self.pages([int(h[:8], 16) for h in hashes], layer)
