@@ -64,10 +64,9 @@ def sweep(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, name: str, values
 
 
 def _row(name: str, value: int, result: dict) -> dict:
-    prompt = max(1, result["prompt_tokens"])
     nbytes = value if name == "l3-capacity" else value * result["page_bytes"]
     return {"value": value, "capacity_mib": round(nbytes / 2**20, 2),
-            **{f"l{t}_ratio": round(result[f"tokens_from_l{t}"] / prompt, 4) for t in (1, 2, 3)},
+            **{f"{tier}_ratio": result["tiers"][tier]["share"] for tier in ("l1", "l2", "l3")},
             **{k: result[k] for k in RUN_FIELDS}}
 
 

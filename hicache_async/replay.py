@@ -18,11 +18,10 @@ from .engine.replay_workload import ReplaySpec
 from .errors import UsageError
 from .oracle import unbounded_oracle
 from .storage.file import FileStorage
-from .simulate import RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
+from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
 from .topology import check_topology
 
-TIER_NAMES = (("tokens_from_l1", "L1 device"), ("tokens_from_l2", "L2 host"), ("tokens_from_l3", "L3 storage"),
-              ("tokens_computed", "computed"))
+TIER_NAMES = tuple(zip(TOKEN_FIELDS, ("L1 device", "L2 host", "L3 storage", "computed")))
 
 
 def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelSpec = ReplayModelSpec()) -> dict:

@@ -78,7 +78,7 @@ class GuardedStorage(StorageAdapter):
                 return
             if not self._probing and time.monotonic() >= self._retry_at:
                 self._probing = True
-                threading.Thread(target=self._probe, name="hicache-storage-probe", daemon=True).start()
+                _RUNNERS.submit(self._probe)     # its own call then runs on another runner
             reason = self._open_reason
         raise StorageError(f"storage unavailable ({reason}); failing fast until a probe answers")
 
