@@ -12,7 +12,7 @@ from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.scheduler import Scheduler
 from hicache_async.engine.workload import Workload, WorkloadSpec
-from hicache_async.plugin import HiCachePlugin
+from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.storage.memory import MemoryStorage
 
 

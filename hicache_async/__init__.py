@@ -1,0 +1,22 @@
+"""hicache-async: a hierarchical KV cache (device → host → storage) for an asyncio scheduler loop.
+
+The public face. An engine implements nothing here; it calls a `KVPlugin` (ours is
+`HiCachePlugin`) at a few points of its loop and hands it an `EngineContext`. Names load on
+first use, so `hicache_async.keys` and `hicache_async.partition` stay cheap to import.
+"""
+from importlib import import_module
+
+_PUBLIC = {
+    "KVPlugin": "api", "EngineContext": "api", "load_plugin": "api",
+    "Request": "request", "CacheConfig": "config", "KVLayout": "layout",
+    "HiCachePlugin": "hicache.plugin", "StorageAdapter": "storage.base", "open_storage": "storage.base",
+    "HiCacheError": "errors", "UsageError": "errors", "StorageError": "errors",
+    "SyncTimeout": "errors", "DivergenceError": "errors", "PoolExhausted": "errors",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'hicache_async' has no attribute {name!r}")
+    return getattr(import_module(f".{_PUBLIC[name]}", __name__), name)

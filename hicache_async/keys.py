@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import UsageError
 from .layout import KVLayout
-from .topology import RankCoords
+from .parallel.topology import RankCoords
 
 
 def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None) -> list[str]:

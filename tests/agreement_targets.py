@@ -1,6 +1,6 @@
 """Rank targets for the agreement tests (run inside simulated ranks)."""
-from hicache_async.agreement import BACKUP, DIGEST, LOAD, WRITE, pack
-from hicache_async.pp_sync import PipelineAgreement
+from hicache_async.parallel.agreement import BACKUP, DIGEST, LOAD, WRITE, pack
+from hicache_async.parallel.pp_sync import PipelineAgreement
 
 
 async def many_steps(ctx) -> dict:

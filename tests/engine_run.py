@@ -6,7 +6,7 @@ from hicache_async.engine.kv_witness import KVCheck
 from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.scheduler import Scheduler
 from hicache_async.engine.workload import Workload, WorkloadSpec
-from hicache_async.plugin import HiCachePlugin
+from hicache_async.hicache.plugin import HiCachePlugin
 from tests.reference_kv import reference
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from hicache_async.errors import UsageError
-from hicache_async.ranks import RankContext, all_reduce
+from hicache_async.parallel.dist_wait import all_reduce
+from hicache_async.sim.launcher import RankContext
 
 
 def report_groups(ctx: RankContext) -> dict:

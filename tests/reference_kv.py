@@ -5,7 +5,7 @@ import tempfile
 
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.reference import reference_run
+from hicache_async.sim.reference import reference_run
 
 _DIR = tempfile.TemporaryDirectory(prefix="hicache-test-kv-")   # lives as long as the test process
 

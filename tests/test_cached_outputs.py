@@ -4,7 +4,7 @@ import pytest
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.plugin import HiCachePlugin
+from hicache_async.hicache.plugin import HiCachePlugin
 from tests.engine_run import assert_matches_reference
 
 SPEC = dict(requests=16, turns=4, system_len=48, user_len=(8, 24), max_new=6)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hicache_async.cli import main
+from hicache_async.app.cli import main
 
 BAD = [
     (["simulate", "--tp", "0"], "--tp: expected a positive integer, got 0"),
@@ -37,7 +37,7 @@ def test_usage_errors_exit_2_with_one_line(argv, named, capsys):
 
 
 def test_a_bad_flag_from_the_shell_has_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "hicache_async.cli", "simulate", "--host-pages", "0"],
+    proc = subprocess.run([sys.executable, "-m", "hicache_async", "simulate", "--host-pages", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
@@ -48,7 +48,7 @@ def test_simulate_writes_the_contract_json(tmp_path):
     out = tmp_path / "run.json"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "hicache_async.cli", "simulate", "--requests", "8", "--turns", "4",
+        [sys.executable, "-m", "hicache_async", "simulate", "--requests", "8", "--turns", "4",
          "--device-pages", "40", "--host-pages", "64", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

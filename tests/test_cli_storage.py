@@ -16,7 +16,7 @@ from hicache_mooncake.master import free_port
 
 CLI = [str(Path(sys.executable).parent / "hicache-async")]
 if not Path(CLI[0]).exists():
-    CLI = [sys.executable, "-m", "hicache_async.cli"]
+    CLI = [sys.executable, "-m", "hicache_async"]
 SMALL = ["--requests", "12", "--turns", "4", "--max-new", "4", "--device-pages", "48", "--host-pages", "64",
          "--page-size", "8", "--prefetch-threshold", "8"]
 

@@ -17,7 +17,7 @@ def _simulate(fault: str | None, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HICACHE_ASYNC_FAULT"}
     if fault:
         env["HICACHE_ASYNC_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "hicache_async.cli", *RUN, *extra], env=env,
+    return subprocess.run([sys.executable, "-m", "hicache_async", *RUN, *extra], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -9,8 +9,8 @@ import torch
 from hicache_async.errors import StorageError, UsageError
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
 from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
 from hicache_async.storage.base import run_abandonable
 from hicache_async.storage.file import FileStorage, object_name
@@ -145,8 +145,8 @@ def test_two_processes_share_one_directory(tmp_path):
 import torch
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
 from hicache_async.storage import open_storage
 layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
 host = HostPool(layout, 3)

@@ -10,7 +10,7 @@ from hicache_async.engine.kv_witness import KVCheck
 from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.workload import WorkloadSpec
 from hicache_async.errors import StorageError
-from hicache_async.plugin import HiCachePlugin
+from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.storage.base import call_abandoned
 from hicache_async.storage.guarded import GuardedStorage
 from hicache_async.storage.memory import MemoryStorage

@@ -6,17 +6,17 @@ keys, same bytes), and store it once: the first replica writes, the others only 
 import pytest
 import torch
 
-from hicache_async.cli import main
+from hicache_async.app.cli import main
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.workload import WorkloadSpec
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
-from hicache_async.rank_main import payload_of
-from hicache_async.ranks.launcher import launch
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
+from hicache_async.sim.rank_main import payload_of
+from hicache_async.sim.launcher import launch
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.topology import RankCoords
+from hicache_async.parallel.topology import RankCoords
 from tests.reference_kv import assert_like_reference, reference
 
 SCHEMES = ("rank-suffix", "unified")

@@ -10,8 +10,8 @@ import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
 from hicache_async.errors import UsageError
-from hicache_async.observability import setup_telemetry
-from hicache_async.topology import RankCoords
+from hicache_async.telemetry.sdk import setup_telemetry
+from hicache_async.parallel.topology import RankCoords
 
 COORDS = RankCoords.of(5, 2, 2, 2)  # tp1 cp0 pp1 -> rank 5 of tp2 x cp2 x pp2
 RANK_FIELDS = {"rank": 5, "tp_rank": 1, "pp_rank": 1, "cp_rank": 0}
@@ -32,14 +32,14 @@ def test_line_inside_a_span_carries_its_ids_and_the_rank(capsys):
     setup_telemetry(coords=COORDS, run_id="r9", log_json=True)
     tracer = TracerProvider().get_tracer("test")  # a real span, without a global provider
     with tracer.start_as_current_span("hicache.step") as span:
-        structlog.get_logger("hicache_async.cache").info("evicted", pages=4)
-    structlog.get_logger("hicache_async.cache").info("idle")
+        structlog.get_logger("hicache_async.hicache.cache").info("evicted", pages=4)
+    structlog.get_logger("hicache_async.hicache.cache").info("idle")
     inside, outside = json_lines(capsys.readouterr().err)
     ctx = span.get_span_context()
     assert inside["event"] == "evicted" and inside["pages"] == 4 and inside["level"] == "info"
     assert inside["trace_id"] == format(ctx.trace_id, "032x")
     assert inside["span_id"] == format(ctx.span_id, "016x")
-    assert inside.items() >= {**RANK_FIELDS, "run_id": "r9", "logger": "hicache_async.cache"}.items()
+    assert inside.items() >= {**RANK_FIELDS, "run_id": "r9", "logger": "hicache_async.hicache.cache"}.items()
     assert "trace_id" not in outside and outside.items() >= RANK_FIELDS.items()
 
 
@@ -61,8 +61,8 @@ def test_stdlib_records_of_dependencies_go_through_structlog(capsys):
 
 def test_console_mode_is_for_people_and_level_filters(capsys):
     setup_telemetry(coords=COORDS, log_level="warning")
-    structlog.get_logger("hicache_async.plugin").info("hidden")
-    structlog.get_logger("hicache_async.plugin").warning("slow step", step=3)
+    structlog.get_logger("hicache_async.hicache.plugin").info("hidden")
+    structlog.get_logger("hicache_async.hicache.plugin").warning("slow step", step=3)
     err = capsys.readouterr().err
     assert "hidden" not in err
     (line,) = err.splitlines()

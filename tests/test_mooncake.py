@@ -6,11 +6,12 @@ import torch
 
 from hicache_async.errors import StorageError
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
-from hicache_async.storage import MISSING, WRONG_SIZE, open_storage, overlap
-from hicache_async.storage.objects import HEADER_BYTES, encode_header
-from hicache_async.topology import RankCoords
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
+from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.transfer import checksums
+from hicache_async.transfer.objects import HEADER_BYTES, encode_header
+from hicache_async.parallel.topology import RankCoords
 from hicache_mooncake import MooncakeMaster, MooncakeStorage
 from hicache_mooncake import adapter as adapter_module
 from hicache_mooncake.adapter import _runs
@@ -44,7 +45,7 @@ def test_round_trip_through_page_store(mooncake_storage, scheme, head_group, fir
 def test_batches_are_one_call_inline_and_small_at_the_edges_when_pooled(monkeypatch):
     sizes = [1 << 20] * 40
     assert _runs(sizes, small_tail=True) == [range(40)]
-    monkeypatch.setattr(overlap, "CHECKSUM_WORKERS", 2)
+    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", 2)
     puts, gets = _runs(sizes, small_tail=False), _runs(sizes, small_tail=True)
     for runs in (puts, gets):
         assert [i for r in runs for i in r] == list(range(40))
@@ -52,7 +53,7 @@ def test_batches_are_one_call_inline_and_small_at_the_edges_when_pooled(monkeypa
 
 
 def test_pooled_checksums_over_several_calls_round_trip(mooncake_storage, monkeypatch):
-    monkeypatch.setattr(overlap, "CHECKSUM_WORKERS", 2)
+    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", 2)
     monkeypatch.setattr(adapter_module, "EDGE_BYTES", 1)     # a call per object or two
     monkeypatch.setattr(adapter_module, "RUN_BYTES", 2 * LAYOUT.page_bytes)
     hashes = page_hashes(range(900, 932), 4)

@@ -3,10 +3,10 @@ import torch
 
 from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.storage.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, verify
+from hicache_async.transfer.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, verify
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
 PAYLOAD = bytes(range(200))

@@ -7,9 +7,9 @@ import torch
 
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.page_store import PageStore
-from hicache_async.pool import HostPool
-from hicache_async.storage import overlap
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
+from hicache_async.transfer import checksums
 from hicache_async.storage.memory import MemoryStorage
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=64, page_size=16)   # 16 KiB pages
@@ -17,10 +17,10 @@ LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=64, page_size=16)   # 16 Ki
 
 @pytest.fixture(params=[0, 2], ids=["inline", "pooled"])
 def workers(request, monkeypatch):
-    monkeypatch.setattr(overlap, "CHECKSUM_WORKERS", request.param)
-    monkeypatch.setattr(overlap, "GROUP_BYTES", 40)    # small groups: several per batch
-    monkeypatch.setattr(overlap, "HOT_BYTES", 40)
-    monkeypatch.setattr(overlap, "AHEAD_BYTES", 100)
+    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", request.param)
+    monkeypatch.setattr(checksums, "GROUP_BYTES", 40)    # small groups: several per batch
+    monkeypatch.setattr(checksums, "HOT_BYTES", 40)
+    monkeypatch.setattr(checksums, "AHEAD_BYTES", 100)
     return request.param
 
 
@@ -31,7 +31,7 @@ def test_ahead_runs_each_group_once_before_its_items_are_used(workers):
         with lock:
             done.append(group)
 
-    ahead = overlap.Ahead([10] * 20, work)     # groups of 4 items
+    ahead = checksums.Ahead([10] * 20, work)     # groups of 4 items
     for i in (0, 1, 5, 19):
         ahead.wait(i)
         assert any(i in g for g in done)
@@ -47,12 +47,12 @@ def test_ahead_runs_each_group_once_before_its_items_are_used(workers):
 
 
 def test_behind_takes_results_in_pieces_and_ignores_late_ones(workers):
-    behind = overlap.Behind([10] * 10, lambda group, got: (group, got))
+    behind = checksums.Behind([10] * 10, lambda group, got: (group, got))
     behind.landed(0, [1, 2, 3])
     behind.landed(3, [4, 5, 6, 7, 8])
     outcomes = behind.finish([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert [got for _, got in outcomes] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
-    failed = overlap.Behind([10] * 4, lambda group, got: got)
+    failed = checksums.Behind([10] * 4, lambda group, got: got)
     failed.landed(0, [1, 2])
     assert failed.finish(None) == []
     failed.landed(2, [3, 4])                    # an abandoned call reporting late: ignored

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache_async.pool import PageAllocator
-from hicache_async.radix import RadixTree
+from hicache_async.transfer.pool import PageAllocator
+from hicache_async.hicache.radix import RadixTree
 
 PS = 2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_async.cli import main
+from hicache_async.app.cli import main
 
 TRACE = str(Path(__file__).parent / "data" / "short_trace.jsonl")
 # Pools small enough for this 48-request trace (largest request: 31 pages) to use every tier.
@@ -21,7 +21,7 @@ def _replay(*argv: str, fault: str | None = None, timeout: int = 150) -> subproc
     env = {k: v for k, v in os.environ.items() if k != "HICACHE_ASYNC_FAULT"}
     if fault:
         env["HICACHE_ASYNC_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "hicache_async.cli", "replay", TRACE, *SMALL, *argv],
+    return subprocess.run([sys.executable, "-m", "hicache_async", "replay", TRACE, *SMALL, *argv],
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -8,7 +8,7 @@ from hicache_async.engine.replay_model import next_tokens
 from hicache_async.engine.replay_trace import TraceRequest, prompt_tokens
 from hicache_async.engine.replay_workload import ReplaySeq
 from hicache_async.keys import page_digests, page_hashes
-from hicache_async.oracle import unbounded_oracle
+from hicache_async.sim.oracle import unbounded_oracle
 from hicache_async.request import Request
 
 

@@ -27,7 +27,7 @@ def _installed(tmp_path) -> dict:
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hicache_async.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hicache_async", *args], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

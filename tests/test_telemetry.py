@@ -12,8 +12,8 @@ import pytest
 from otlp_receiver import otlp_receiver  # noqa: F401 (fixture)
 
 from hicache_async.errors import UsageError
-from hicache_async.observability import _otlp_exporter, setup_telemetry
-from hicache_async.telemetry import request_context, step_context
+from hicache_async.telemetry.sdk import _otlp_exporter, setup_telemetry
+from hicache_async.telemetry.spans import request_context, step_context
 
 RUN = "run-A"
 
@@ -21,11 +21,11 @@ RUN = "run-A"
 RANK = r"""
 import json, sys, threading
 from hicache_async.errors import StorageError
-from hicache_async.observability import setup_telemetry
-from hicache_async.telemetry import (CacheMetrics, begin_step, finish_transfer, pp_sync_span,
+from hicache_async.telemetry.sdk import setup_telemetry
+from hicache_async.telemetry.spans import (CacheMetrics, begin_step, finish_transfer, pp_sync_span,
                                      request_link, request_span, start_transfer, step_span,
                                      storage_span, tracing_enabled)
-from hicache_async.topology import RankCoords
+from hicache_async.parallel.topology import RankCoords
 
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
 tel = setup_telemetry(coords=coords, run_id="run-A")

@@ -14,14 +14,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from hicache_async.errors import HiCacheError
-from hicache_async.telemetry import step_context
-from hicache_async.trace_file import OTLPJsonFileExporter, merge_trace_files, part_path, read_part
+from hicache_async.telemetry.spans import step_context
+from hicache_async.telemetry.trace_file import OTLPJsonFileExporter, merge_trace_files, part_path, read_part
 
 RANK = r"""
 import json, sys
-from hicache_async.observability import setup_telemetry
-from hicache_async.telemetry import finish_transfer, request_link, start_transfer, step_span
-from hicache_async.topology import RankCoords
+from hicache_async.telemetry.sdk import setup_telemetry
+from hicache_async.telemetry.spans import finish_transfer, request_link, start_transfer, step_span
+from hicache_async.parallel.topology import RankCoords
 
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
 tel = setup_telemetry(coords=coords, run_id="run-F", trace_file=sys.argv[2])

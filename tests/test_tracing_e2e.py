@@ -21,7 +21,7 @@ def test_every_transfer_kind_from_every_rank_joined_per_step(otlp_receiver, tmp_
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
            "OTEL_SERVICE_NAME": "hicache-e2e"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hicache_async.cli", "simulate", "--tp", "2", "--pp", "2",
+        [sys.executable, "-m", "hicache_async", "simulate", "--tp", "2", "--pp", "2",
          "--requests", "12", "--page-size", "8", "--device-pages", "60", "--host-pages", "80",
          "--prefetch-threshold", "8", "--storage", "file", "--storage-path", str(tmp_path / "kv"),
          "--trace-file", str(trace_file), "--json", str(tmp_path / "run.json")],

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..layout import KVLayout
-from ..ranks.dist_wait import recv, wait_work
-from ..topology import RankCoords, check_topology, kv_head_range, split_range
+from ..parallel.dist_wait import recv, wait_work
+from ..parallel.topology import RankCoords, check_topology, kv_head_range, split_range
 from .attention import attend, project, read_kv, write_kv
 from .weights import DTYPE, LayerWeights, embedding, layer_weights, lm_head
 
 if TYPE_CHECKING:
-    from ..ranks.groups import ParallelGroups
+    from ..parallel.groups import ParallelGroups
 
 ACTIVATION_TAG = 7  # p2p tag for hidden states between stages; the cache's pp_sync uses another
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import PoolExhausted
-from ..plugin_api import EngineContext, KVPlugin
+from ..api import EngineContext, KVPlugin
 from ..request import Request
 
 

@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Callable
 
 from ..errors import PoolExhausted
-from ..plugin_api import EngineContext, KVPlugin
-from ..pool import DevicePool
+from ..api import EngineContext, KVPlugin
+from ..transfer.pool import DevicePool
 from ..request import Request
 from .kv_witness import KVWitness
 from .model import SeqChunk, TinyModel

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .. import telemetry
+from ..telemetry import spans
 from ..errors import StorageError
-from ..topology import RankCoords
+from ..parallel.topology import RankCoords
 from .base import StorageAdapter
 
 
 class TracedStorage(StorageAdapter):
     def __init__(self, inner: StorageAdapter, coords: RankCoords, backend: str) -> None:
         self.inner, self.coords, self.backend = inner, coords, backend
-        self.metrics = telemetry.CacheMetrics()
+        self.metrics = spans.CacheMetrics()
 
     def _call(self, op: str, keys: list[str], call, *args):
-        with telemetry.storage_span(op, keys=len(keys), coords=self.coords, backend=self.backend):
+        with spans.storage_span(op, keys=len(keys), coords=self.coords, backend=self.backend):
             try:
                 return call(keys, *args)
             except StorageError:

@@ -1,0 +1,274 @@
+"""L3 adapter over a Mooncake distributed store, using its zero-copy batch calls.
+
+Memory handed to `register_memory` (the host pool) is read and written in place; any other
+part (headers, copies of non-contiguous slices) goes through a per-thread registered
+staging buffer. Return codes: -704 not found is a miss, -705 already exists is success
+(keys are content-addressed), -900 RPC failure is an outage (StorageError), other
+negatives fail just that object.
+
+Where the caller's checksums run on spare cores (`checksums.CHECKSUM_WORKERS`), a large batch
+moves in a few zero-copy calls (`_runs`) rather than one, so they overlap the transfer: the
+first put and the last get are small, since the first put waits for its headers and the
+last get's verification follows the call. Elsewhere a batch is one call: each extra call
+costs a master round trip and there is nothing to overlap. A put first asks which objects
+are already stored (one RPC): a put of a stored key reports plain success (not -705) without
+moving anything, and the caller checksums and counts only what is really written.
+
+Objects live in a segment some client mounts. A rank client mounts none by default
+(`segment_bytes=0`): its puts land in the segment holder started beside the master (see
+`holder.py`), so they outlive the rank. Give it `segment_bytes` only against a master with
+no holder, knowing those objects go when the client closes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hicache_async.errors import StorageError, UsageError
+from hicache_async.transfer import checksums
+from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
+
+from .master import check_reachable, default_metadata_url
+
+log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 5.0   # how long close waits for calls still inside the client (a hung one)
+
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+SIZE_MISMATCH = (-600, -800)   # INVALID_PARAMS, TRANSFER_FAIL: what a buffer of the wrong size gets
+RPC_FAIL = -900
+RUN_BYTES = 8 << 20      # one zero-copy call moves about this much at most (it stays in cache)...
+EDGE_BYTES = 2 << 20     # ...and the first put / last get about this much, growing 2x a call
+
+
+def _runs(sizes: list[int], small_tail: bool) -> list[range]:
+    """Consecutive runs of objects, one call each, small at the head (puts) or tail (gets)."""
+    if not checksums.CHECKSUM_WORKERS:
+        return [range(len(sizes))] if sizes else []
+    order = sizes[::-1] if small_tail else sizes
+    runs, start, acc, limit = [], 0, 0, EDGE_BYTES
+    for i, n in enumerate(order):
+        acc += n
+        if acc >= limit:
+            runs.append(range(start, i + 1))
+            start, acc, limit = i + 1, 0, min(limit * 2, RUN_BYTES)
+    if start < len(order):
+        runs.append(range(start, len(order)))
+    if small_tail:
+        return [range(len(sizes) - r.stop, len(sizes) - r.start) for r in reversed(runs)]
+    return runs
+
+
+def _in_call(method):
+    """Counts a call while it is inside the client, so that `close` never frees it underneath."""
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        with self._calls:
+            if self._closed:
+                raise StorageError("mooncake storage is closed")
+            self._in_flight += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
+    return counted
+
+
+def _address(view: memoryview) -> int | None:
+    """Address of a writable buffer, or None for read-only memory (which must be staged)."""
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class MooncakeStorage(StorageAdapter):
+    def __init__(self, master: str = "127.0.0.1:50051", metadata_url: str | None = None,
+                 segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
+                 local_hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 connect_timeout_s: float = 3.0, **_options) -> None:
+        self.master = master
+        self.metadata_url = metadata_url or default_metadata_url(master)
+        # setup() retries for ~90 s against a dead master; probe first so that fails fast.
+        check_reachable(master, self.metadata_url, connect_timeout_s)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError:
+            raise UsageError("storage 'mooncake' needs the mooncake extra: "
+                             "pip install 'hicache-async[mooncake]'") from None
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, self.metadata_url, segment_bytes, buffer_bytes,
+                               protocol, device_name, master)
+        if rc != 0:
+            raise StorageError(f"mooncake setup against master {master} failed with code {rc}")
+        self._regions: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._staging_bufs: dict[int, torch.Tensor] = {}  # by thread id
+        self._closed = False
+        self._calls = threading.Condition()
+        self._in_flight = 0
+
+    # -- memory --------------------------------------------------------------------------
+
+    def _pin(self, ptr: int, size: int) -> None:
+        rc = self._store.register_buffer(ptr, size)
+        if rc != 0:
+            raise StorageError(f"mooncake register_buffer of {size} bytes failed with code {rc}")
+        with self._lock:
+            self._regions.append((ptr, ptr + size))
+
+    def register_memory(self, view: memoryview) -> None:
+        ptr = _address(memoryview(view).cast("B"))
+        if ptr is not None and not self._pinned(ptr, view.nbytes):
+            self._pin(ptr, view.nbytes)
+
+    def _pinned(self, ptr: int, size: int) -> bool:
+        return any(a <= ptr and ptr + size <= b for a, b in self._regions)
+
+    def _staging(self, size: int) -> torch.Tensor:
+        """This thread's registered staging buffer, grown to at least `size` bytes.
+
+        Held by the adapter, not the thread, so registered memory is never freed before close().
+        """
+        me = threading.get_ident()
+        old = self._staging_bufs.get(me)
+        if old is not None and old.numel() >= size:
+            return old
+        if old is not None:
+            self._store.unregister_buffer(old.data_ptr())
+            with self._lock:
+                self._regions.remove((old.data_ptr(), old.data_ptr() + old.numel()))
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
+        self._pin(buf.data_ptr(), buf.numel())
+        self._staging_bufs[me] = buf
+        return buf
+
+    def _plan(self, parts: list[Sequence[memoryview]]):
+        """Pointers and sizes per object, plus (part, offset in staging) for staged parts."""
+        ptrs, sizes, unpinned, need = [], [], [], 0
+        for ps in parts:
+            row, row_sizes = [], []
+            for p in ps:
+                view = memoryview(p).cast("B")
+                ptr = _address(view)
+                if ptr is None or not self._pinned(ptr, view.nbytes):
+                    unpinned.append((row, len(row), view, need))
+                    need += view.nbytes
+                row.append(ptr)
+                row_sizes.append(view.nbytes)
+            ptrs.append(row)
+            sizes.append(row_sizes)
+        base = self._staging(need).data_ptr() if need else 0
+        for row, i, view, offset in unpinned:
+            row[i] = base + offset
+        return ptrs, sizes, [(view, offset) for _, _, view, offset in unpinned], base
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def _check(self, codes: list[int], op: str) -> None:
+        if RPC_FAIL in codes:
+            raise StorageError(f"mooncake {op} failed: master {self.master} unreachable (code {RPC_FAIL})")
+
+    @_in_call
+    def batch_exists(self, keys: list[str]) -> int:
+        if not keys:
+            return 0
+        codes = self._store.batch_is_exist(keys)
+        n = 0
+        while n < len(codes) and codes[n] == 1:
+            n += 1
+        if n < len(codes) and codes[n] != 0:
+            raise StorageError(f"mooncake batch_is_exist failed with code {codes[n]} (master {self.master})")
+        return n
+
+    def batch_set(self, keys: list[str], values: list) -> list[bool]:
+        return self.batch_set_parts(keys, [[memoryview(v)] for v in values])
+
+    @_in_call
+    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        ready: Callable[[int], None] | None = None) -> list[bool]:
+        if not keys:
+            return []
+        held = self._store.batch_is_exist(keys)
+        self._check(held, "batch_is_exist")
+        out = [True] * len(keys)
+        todo = [i for i, code in enumerate(held) if code != 1]
+        for run in _runs([sum(memoryview(p).nbytes for p in parts[i]) for i in todo], small_tail=False):
+            batch = [todo[j] for j in run]
+            if call_abandoned():    # the caller has moved on: its buffers may hold other data
+                for i in todo[run.start:]:
+                    out[i] = False
+                return out
+            for i in batch if ready is not None else ():
+                ready(i)
+            ptrs, sizes, staged, base = self._plan([parts[i] for i in batch])
+            for view, offset in staged:
+                ctypes.memmove(base + offset, (ctypes.c_char * view.nbytes).from_buffer_copy(view)
+                               if view.readonly else _address(view), view.nbytes)
+            codes = self._store.batch_put_from_multi_buffers([keys[i] for i in batch], ptrs, sizes)
+            self._check(codes, "batch_put")
+            for i, code in zip(batch, codes):
+                out[i] = code == 0 or code == OBJECT_ALREADY_EXISTS
+        return out
+
+    @_in_call
+    def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
+        if not keys:
+            return []
+        ptrs, sizes, staged, base = self._plan([[b] for b in buffers])
+        codes = self._store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
+        self._check(codes, "batch_get")
+        self._unstage(staged, base)
+        return [self._get_result(k, c) for k, c in zip(keys, codes)]
+
+    @_in_call
+    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
+                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
+        out: list[int] = []
+        for run in _runs([sum(memoryview(p).nbytes for p in ps) for ps in parts], small_tail=True):
+            if call_abandoned():    # the caller has moved on: its buffers are not ours to fill
+                return out + [MISSING] * (len(keys) - len(out))
+            ptrs, sizes, staged, base = self._plan(parts[run.start:run.stop])
+            codes = self._store.batch_get_into_multi_buffers(keys[run.start:run.stop], ptrs, sizes)
+            self._check(codes, "batch_get")
+            self._unstage(staged, base)
+            results = [self._get_result(k, c) for k, c in zip(keys[run.start:run.stop], codes)]
+            out += results
+            if landed is not None:
+                landed(run.start, results)
+        return out
+
+    @staticmethod
+    def _unstage(staged, base: int) -> None:
+        for view, offset in staged:
+            ctypes.memmove(_address(view), base + offset, view.nbytes)
+
+    def _get_result(self, key: str, code: int) -> int:
+        if code >= 0:
+            return code
+        if code == OBJECT_NOT_FOUND:
+            return MISSING
+        if code in SIZE_MISMATCH and self._store.get_size(key) >= 0:
+            return WRONG_SIZE
+        return MISSING
+
+    def close(self) -> None:
+        """Close the client once no call is inside it: freeing it under a call abandoned by
+        its deadline (a dead master) would crash the process."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._calls.wait_for(lambda: self._in_flight == 0, CLOSE_WAIT_S):
+                log.warning("mooncake storage: %d calls still inside the client after %g s; it is "
+                            "left to process exit", self._in_flight, CLOSE_WAIT_S)
+                return
+        for start, _ in self._regions:
+            self._store.unregister_buffer(start)
+        self._store.close()

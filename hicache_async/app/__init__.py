@@ -1,0 +1,2 @@
+"""The command line and the benchmark suite.
+"""

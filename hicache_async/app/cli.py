@@ -1,0 +1,248 @@
+"""`hicache-async`: simulate, replay and bench. Usage errors exit 2 with one line; failures exit 1."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..transfer import faults
+from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+from ..errors import HiCacheError, UsageError
+from ..storage.base import storage_names
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _number(parse, what: str, ok):
+    """An argparse type: `parse` the text, and name what was expected when it fails or not `ok`."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return check
+
+
+_positive = _number(int, "a positive integer", lambda v: v > 0)
+_non_negative = _number(int, "an integer >= 0", lambda v: v >= 0)
+_non_negative_float = _number(float, "a number >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def _check_metadata_url(url: str) -> None:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        raise UsageError(f"--mooncake-metadata must be http://HOST:PORT/metadata, got {url!r}")
+
+
+def _size(text: str) -> int:
+    from ..sim.capacity import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Topology, cache, storage and telemetry flags: the same for every job on simulated ranks."""
+    for flag in ("--tp", "--pp", "--cp"):
+        p.add_argument(flag, type=_positive, default=1)
+    p.add_argument("--storage", choices=[*storage_names(), "none"], default="file",
+                   help="an L3 backend from the hicache_async.storage entry points, or none")
+    p.add_argument("--storage-path", help="file storage directory (default: simulate a per-user cache, "
+                                          "replay a fresh temporary one)")
+    p.add_argument("--l3-capacity", type=_size, metavar="BYTES",
+                   help="file storage capacity, e.g. 512M or 2G (default 8G); LRU beyond it")
+    p.add_argument("--mooncake-master", metavar="HOST:PORT",
+                   help="use this master (and its segment holder) instead of starting one for the run")
+    p.add_argument("--mooncake-metadata", metavar="URL",
+                   help="that master's metadata server (default http://HOST:8080/metadata)")
+    p.add_argument("--device-pages", type=_positive)
+    p.add_argument("--host-pages", type=_positive)
+    p.add_argument("--page-size", type=_positive)
+    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    p.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="timeout")
+    p.add_argument("--prefetch-threshold", type=_non_negative, metavar="TOKENS",
+                   help="prefetch from L3 only when at least this many tokens are missing (default: "
+                        "when fetching is expected to be cheaper than recomputing)")
+    p.add_argument("--prefill-us-per-token", type=_non_negative_float, metavar="US",
+                   help="the engine's prefill cost per prompt token: what an L3 prefetch must beat "
+                        "(replay: also the virtual clock's cost; default simulate 50, replay 20)")
+    p.add_argument("--l3-gbps", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
+                   default=1.0, metavar="GB/S", help="L3 throughput assumed until prefetches measure it")
+    p.add_argument("--key-scheme", choices=KEY_SCHEMES, default="rank-suffix")
+    p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
+    p.add_argument("--storage-optional", action="store_true",
+                   help="if the storage is unreachable at start, warn and run on L1/L2 only")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--trace-file", metavar="PATH", help="also write spans as OTLP JSON here")
+    p.add_argument("--log-json", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hicache-async", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sim = sub.add_parser("simulate", help="run the multi-turn workload on simulated ranks")
+    _add_run_flags(sim)
+    sim.set_defaults(device_pages=48, host_pages=192, page_size=16, prefill_us_per_token=50.0)
+    sim.add_argument("--attention", choices=("mha", "mla"), default="mha")
+    sim.add_argument("--requests", type=_positive, default=48)
+    sim.add_argument("--turns", type=_positive, default=4)
+    sim.add_argument("--max-new", type=_positive, default=8)
+    rep = sub.add_parser("replay", help="serve a Mooncake-format trace, every reused page verified")
+    rep.add_argument("trace", metavar="TRACE", help="JSONL: timestamp, input_length, output_length, hash_ids")
+    _add_run_flags(rep)
+    rep.set_defaults(device_pages=4096, host_pages=16384, page_size=64, prefill_us_per_token=20.0)
+    rep.add_argument("--limit", type=_positive, metavar="N", help="replay the first N requests")
+    rep.add_argument("--max-output", type=_positive, metavar="TOKENS",
+                     help="cap each request's output_length (default: honour it)")
+    rep.add_argument("--decode-us-per-step", type=_non_negative_float, metavar="US",
+                     help="virtual cost of each forward pass, a decode step (default 10000)")
+    rep.add_argument("--sweep", metavar="NAME=A,B,C",
+                     help="replay once per value of host-pages, device-pages or l3-capacity")
+    rep.add_argument("--csv", metavar="PATH", help="the sweep's table as CSV (default: beside --json)")
+    rep.add_argument("--plot", metavar="PATH.png", help="draw the sweep's hit ratios (needs the plot extra)")
+    bench = sub.add_parser("bench", help="run the benchmark suite")
+    bench.add_argument("--json", metavar="PATH")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--only", metavar="NAME", action="append", help="run only these figures")
+    return parser
+
+
+def _cache_config(ns: argparse.Namespace) -> CacheConfig:
+    """The cache flags as a config; storage flags that do not fit together are usage errors."""
+    if ns.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {ns.timeout}")
+    if ns.mooncake_master and ns.storage != "mooncake":
+        raise UsageError(f"--mooncake-master {ns.mooncake_master} needs --storage mooncake")
+    if ns.mooncake_metadata and not ns.mooncake_master:
+        raise UsageError(f"--mooncake-metadata {ns.mooncake_metadata} needs --mooncake-master")
+    if ns.mooncake_metadata:
+        _check_metadata_url(ns.mooncake_metadata)
+    return CacheConfig(device_pages=ns.device_pages, host_pages=ns.host_pages, page_size=ns.page_size,
+                       write_policy=ns.write_policy, prefetch_policy=ns.prefetch_policy,
+                       prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
+                       cp_transfer=ns.cp_transfer, sync_timeout_s=ns.timeout,
+                       prefill_us_per_token=ns.prefill_us_per_token, l3_gbps=ns.l3_gbps)
+
+
+def _run_args(ns: argparse.Namespace, cls=None, **extra):
+    from ..sim.simulate import RunArgs
+
+    return (cls or RunArgs)(
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_path=ns.storage_path,
+        l3_capacity=ns.l3_capacity, mooncake_master=ns.mooncake_master, mooncake_metadata=ns.mooncake_metadata,
+        seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
+        storage_optional=ns.storage_optional, **extra)
+
+
+def _write_json(result, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _simulate(ns: argparse.Namespace) -> int:
+    from ..engine.model import ModelConfig
+    from ..engine.workload import WorkloadSpec
+    from ..sim.simulate import SimulateArgs, print_summary, run
+
+    cache = _cache_config(ns)
+    spec = WorkloadSpec(requests=ns.requests, turns=ns.turns, max_new=ns.max_new, seed=ns.seed)
+    model = ModelConfig(attention=ns.attention, seed=ns.seed)
+    args = _run_args(ns, SimulateArgs, attention=ns.attention, requests=ns.requests)
+    result = run(args, cache, spec, model)
+    print_summary(result)
+    _write_json(result, ns.json)
+    return _verdict(result)
+
+
+def _replay(ns: argparse.Namespace) -> int:
+    from ..sim import capacity
+    from ..engine.replay_workload import ReplaySpec
+    from ..engine.virtual_clock import CostModel
+    from ..sim.replay import print_summary, run
+
+    cache = _cache_config(ns)
+    args = _run_args(ns)
+    costs = {k: getattr(ns, k) for k in ("prefill_us_per_token", "decode_us_per_step") if getattr(ns, k) is not None}
+    spec = ReplaySpec(trace=ns.trace, limit=ns.limit, seed=ns.seed, max_output=ns.max_output,
+                      costs=CostModel(**costs))
+    if not ns.sweep:
+        if ns.plot or ns.csv:
+            raise UsageError(f"{'--plot' if ns.plot else '--csv'} needs --sweep NAME=A,B,C")
+        result = run(args, cache, spec)
+        print_summary(result)
+        _write_json(result, ns.json)
+        return _verdict(result)
+    name, values = capacity.parse_sweep(ns.sweep, ns.storage)
+    if ns.plot:
+        capacity.require_matplotlib()
+    table = capacity.sweep(args, cache, spec, name, values, on_run=print_summary)
+    _write_json(table, ns.json)
+    csv_path = ns.csv or (os.path.splitext(ns.json)[0] + ".csv" if ns.json else None)
+    if csv_path:
+        capacity.write_csv(table, csv_path)
+    if ns.plot:
+        capacity.plot(table, ns.plot)
+    capacity.print_table(table)
+    return max(_verdict(r) for r in table["runs"])
+
+
+def _verdict(result: dict) -> int:
+    """A run passes only when its KV, its ranks and its tokens all check out."""
+    if result["kv_mismatches"]:
+        more = result["kv_mismatches"] - 1
+        print(f"hicache-async: error: {result['kv_first_mismatch']}"
+              + (f" (and {more} more mismatched pages)" if more else ""), file=sys.stderr)
+        return 1
+    if not result["ranks_agree"]:
+        print("hicache-async: error: ranks made different cache decisions", file=sys.stderr)
+        return 1
+    if not result.get("outputs_match_reference", True):
+        print("hicache-async: error: cached outputs differ from the cache-less reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    figures = run_bench(quick=ns.quick, only=ns.only)
+    for fig in figures:
+        print(f"{fig['name']:28s} {fig['value']:>12.3f} {fig['unit']:6s} vs {fig['baseline_name']} "
+              f"{fig['baseline_value']:.3f}  ratio {fig['ratio']:.3f}")
+    _write_json(figures, ns.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+        faults.injected()       # an unknown fault name is a usage error before any work starts
+        return {"simulate": _simulate, "replay": _replay, "bench": _bench}[ns.command](ns)
+    except UsageError as exc:
+        print(f"hicache-async: error: {exc}", file=sys.stderr)
+        return 2
+    except HiCacheError as exc:
+        print(f"hicache-async: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hicache-async: interrupted", file=sys.stderr)
+        return 130
+

@@ -1,0 +1,262 @@
+"""Run a target on tp x pp x cp simulated ranks: one OS process each, joined by gloo on loopback.
+
+Ranks send JSON text to the parent over a pipe (progress, a result, or a one-line error); no user
+data is pickled. The parent returns the results in rank order or raises the root cause: the first
+error reported, or a rank that died without reporting. Children die with the parent (Linux
+PR_SET_PDEATHSIG), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
+before `launch` returns or raises.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import inspect
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..errors import HiCacheError, UsageError
+from ..parallel.topology import RankCoords
+from ..parallel.groups import ParallelGroups
+
+STOP_GRACE_S = 2.0
+LINGER_S = 10.0  # a failed rank keeps its sockets open this long so peers cannot report first
+PG_SLACK_S = 5.0  # gloo's own timeout fires after ours, so the user sees our one-line SyncTimeout
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RankContext:
+    """What a target function gets: where it sits, its groups, and the run's parameters."""
+
+    coords: RankCoords
+    groups: ParallelGroups
+    run_id: str
+    payload: dict
+    timeout_s: float
+    send: Callable[[dict], None] = field(default=lambda message: None, repr=False)
+
+    def progress(self, info: dict) -> None:
+        """Forward `info` (JSON-serialisable) to launch's on_progress, tagged with this rank."""
+        self.send({"kind": "progress", "data": info})
+
+
+@dataclass
+class _Rank:
+    coords: RankCoords
+    process: mp.process.BaseProcess
+    conn: Connection
+    result: Any = None
+    done: bool = False
+
+
+def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: float = 60.0,
+           run_id: str | None = None, on_progress: Callable[[dict], None] | None = None,
+           deadline_s: float | None = None) -> list[dict]:
+    """Run `target(ctx)` ("package.module:function", sync or async) on every rank.
+
+    `timeout_s` bounds each cross-rank wait; `deadline_s` (optional) bounds the whole run.
+    `on_progress` receives each ctx.progress() dict with a "rank" key added.
+    """
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if size < 1:
+            raise UsageError(f"{name} must be >= 1, got {size}")
+    try:
+        spec = json.dumps({
+            "tp": tp, "pp": pp, "cp": cp, "target": target, "payload": payload,
+            "timeout_s": timeout_s, "run_id": run_id or uuid.uuid4().hex[:12],
+            "init_method": f"tcp://127.0.0.1:{_free_port()}", "parent_pid": os.getpid(),
+        })
+    except TypeError as exc:
+        raise UsageError(f"payload is not JSON-serialisable: {exc}") from None
+    ranks: list[_Rank] = []
+    try:
+        with _quiet_spawn():
+            context = mp.get_context("spawn")
+            for rank in range(tp * pp * cp):
+                parent_end, child_end = context.Pipe(duplex=False)
+                process = context.Process(target=_rank_main, args=(spec, rank, child_end),
+                                          name=f"hicache-rank-{rank}")
+                process.start()
+                child_end.close()
+                ranks.append(_Rank(RankCoords.of(rank, tp, pp, cp), process, parent_end))
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        _collect(ranks, on_progress or (lambda info: None), deadline, deadline_s)
+        return [r.result for r in ranks]
+    finally:
+        _stop(ranks)
+
+
+def _collect(ranks: list[_Rank], on_progress: Callable[[dict], None],
+             deadline: float | None, deadline_s: float | None) -> None:
+    by_conn = {r.conn: r for r in ranks}
+    by_sentinel = {r.process.sentinel: r for r in ranks}
+    while not all(r.done for r in ranks):
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise HiCacheError(f"run did not finish within its deadline of {deadline_s:g} s")
+        ready = wait([*by_conn, *by_sentinel], timeout)
+        # A silent death is a root cause; peers' errors in the same batch are its cascade.
+        for rank in [by_sentinel.pop(s) for s in ready if s in by_sentinel]:
+            _drain(rank, by_conn, on_progress)
+            if not rank.done:
+                rank.process.join(1.0)  # the sentinel fired: it has exited; reap it for its code
+                raise HiCacheError(f"{rank.coords.label()} died without reporting "
+                                   f"({_exit_reason(rank.process.exitcode)})")
+        for conn in [c for c in ready if c in by_conn]:
+            _drain(by_conn[conn], by_conn, on_progress)
+
+
+def _drain(rank: _Rank, by_conn: dict[Connection, _Rank],
+           on_progress: Callable[[dict], None]) -> None:
+    """Handle every message the rank has sent so far; forget its pipe once it is closed."""
+    while rank.conn in by_conn and rank.conn.poll():
+        try:
+            message = json.loads(rank.conn.recv_bytes())
+        except EOFError:
+            del by_conn[rank.conn]
+            return
+        kind = message["kind"]
+        if kind == "progress":
+            on_progress({**message["data"], "rank": rank.coords.rank})
+        elif kind == "result":
+            rank.result, rank.done = message["data"], True
+        else:
+            error = getattr(errors, message["type"], None)
+            if not (isinstance(error, type) and issubclass(error, HiCacheError)):
+                error = HiCacheError
+            raise error(message["message"])
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    """Terminate, then kill after a grace period, and reap every rank process."""
+    alive = [r.process for r in ranks if r.process.is_alive()]
+    for process in alive:
+        process.terminate()
+    grace_end = time.monotonic() + STOP_GRACE_S
+    for process in alive:
+        process.join(max(0.0, grace_end - time.monotonic()))
+    for process in alive:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for rank in ranks:
+        rank.conn.close()
+
+
+@contextlib.contextmanager
+def _quiet_spawn() -> Iterator[None]:
+    """Children start with one OpenMP thread and SIGINT ignored: Ctrl-C is the parent's to handle.
+
+    An ignored signal stays ignored across exec, so even a child still importing torch cannot
+    print a KeyboardInterrupt traceback. Only the main thread may change the handler; children
+    launched from another thread ignore SIGINT from _rank_main on.
+    """
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    in_main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        yield
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, handler)
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
+    """Entry point of a rank process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec = json.loads(spec_text)
+    die_with_parent(spec["parent_pid"])
+    coords = RankCoords.of(rank, spec["tp"], spec["pp"], spec["cp"])
+
+    def send(message: dict) -> None:
+        conn.send_bytes(json.dumps(message).encode())
+
+    try:
+        send({"kind": "result", "data": _run_rank(spec, coords, send)})
+    except Exception as exc:
+        send({"kind": "error", "type": type(exc).__name__, "message": _one_line(coords, exc)})
+        time.sleep(LINGER_S)
+        os._exit(1)
+
+
+def _run_rank(spec: dict, coords: RankCoords, send: Callable[[dict], None]) -> Any:
+    torch.set_num_threads(1)
+    target = _import_target(spec["target"])
+    dist.init_process_group(
+        "gloo", init_method=spec["init_method"], world_size=coords.world_size,
+        rank=coords.rank, timeout=timedelta(seconds=spec["timeout_s"] + PG_SLACK_S))
+    ctx = RankContext(coords, ParallelGroups.build(coords), spec["run_id"], spec["payload"],
+                      spec["timeout_s"], send)
+    result = target(ctx)
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    json.dumps(result)  # fail here, on this rank, if the result cannot travel
+    dist.barrier()  # gloo's barrier also flushes this rank's pending sends before teardown
+    dist.destroy_process_group()
+    return {} if result is None else result
+
+
+def _import_target(target: str) -> Callable[[RankContext], Any]:
+    module_name, _, function_name = target.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError, ValueError):
+        raise UsageError(f"rank target {target!r} is not an importable 'module:function'") from None
+    if not callable(function):
+        raise UsageError(f"rank target {target!r} is not callable")
+    return function
+
+
+def _one_line(coords: RankCoords, exc: Exception) -> str:
+    """'{rank label}: {message}'; errors outside our hierarchy also name their class and place."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not isinstance(exc, HiCacheError):
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            text += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+        text = f"{type(exc).__name__}: {text}"
+    return text if text.startswith(coords.label()) else f"{coords.label()}: {text}"
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,0 +1,35 @@
+"""The unbounded-cache oracle: the prompt tokens a cache that never evicts could have served.
+
+Computed from the trace alone, with none of the cache's code, so it can judge the cache:
+requests in arrival order; each reuses the leading run of its full pages that some earlier
+prompt held (over prompt[:-1], since the last prompt token is always computed for its
+logits), then its own full pages join the set. A page counts as cached from the moment the
+earlier request arrived, so the oracle bounds the real cache from above: the gap is reuse a
+cache cannot have, e.g. a request arriving while its prefix is still being computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.replay_trace import TraceRequest, prompt_tokens
+from ..keys import page_digests
+
+
+@dataclass(frozen=True)
+class Oracle:
+    tokens: int            # prompt tokens an unbounded cache serves
+    distinct_pages: int    # full prompt pages of the whole trace, each counted once
+
+
+def unbounded_oracle(trace: list[TraceRequest], page_size: int, seed: int = 0) -> Oracle:
+    seen: set[bytes] = set()
+    hits = 0
+    for req in trace:
+        digests = page_digests(prompt_tokens(req, seed), page_size)
+        usable = (req.input_length - 1) // page_size
+        run = 0
+        while run < usable and digests[run] in seen:
+            run += 1
+        hits += run * page_size
+        seen.update(digests)
+    return Oracle(hits, len(seen))

@@ -1,0 +1,69 @@
+"""What one simulated rank runs for `replay`: a trace on the replay engine with the HiCache
+plugin, every reused page checked against the replay KV function."""
+from __future__ import annotations
+
+import resource
+import time
+from array import array
+
+from ..config import CacheConfig
+from ..engine.kv_witness import KVCheck
+from ..engine.replay_model import ReplayModel, ReplayModelSpec, ReplayScheduler
+from ..engine.replay_trace import read_trace
+from ..engine.replay_workload import ReplaySpec, ReplayWorkload
+from ..engine.virtual_clock import VirtualClock
+from ..api import KVPlugin
+from .rank_main import hicache_plugin, progress_reporter, with_telemetry
+from ..request import Request
+
+
+class TimedAdmission:
+    """The plugin as the scheduler sees it, with each admission attempt timed.
+
+    A call that only marks a pending prefetch as wanted does no cache work, so it is not
+    an attempt; every other call is, admitted or not.
+    """
+
+    def __init__(self, plugin: KVPlugin) -> None:
+        self._plugin = plugin
+        self.us = array("d")
+
+    def admit(self, req: Request) -> bool:
+        if req.prefetch is not None:
+            return self._plugin.admit(req)
+        start = time.perf_counter()
+        admitted = self._plugin.admit(req)
+        self.us.append((time.perf_counter() - start) * 1e6)
+        return admitted
+
+    def __getattr__(self, name: str):
+        return getattr(self._plugin, name)
+
+
+async def run_rank(ctx) -> dict:
+    return await with_telemetry(ctx, _replay)
+
+
+async def _replay(ctx) -> dict:
+    spec = ReplaySpec.from_dict(ctx.payload["replay"])
+    cache_cfg = CacheConfig(**ctx.payload["cache"])
+    ps = cache_cfg.page_size
+    clock = VirtualClock()
+    model = ReplayModel(ReplayModelSpec(**ctx.payload["model"]), ps, clock, spec.costs, ctx.coords, ctx.groups)
+    layout = model.kv_layout(ps)
+    check = KVCheck(model.kv.expected, layout, ctx.coords, exact=True)
+    workload = ReplayWorkload(read_trace(spec.trace, ps, spec.limit), spec, ps, clock)
+    async with hicache_plugin(ctx, cache_cfg) as plugin:
+        timed = TimedAdmission(plugin)
+        scheduler = ReplayScheduler(model, timed, device_pages=cache_cfg.device_pages, page_size=ps,
+                                    run_id=ctx.run_id, witness=check)
+        await scheduler.run(workload, progress_reporter(ctx))
+    report = plugin.report()
+    report.update(check.report())
+    report["admission_us"] = timed.us.tolist()
+    report["requests"] = workload.completed
+    report["forwards"] = scheduler.forwards
+    report["virtual_seconds"] = round(clock.now_us / 1e6, 3)
+    report["page_bytes"] = layout.page_bytes
+    report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return report

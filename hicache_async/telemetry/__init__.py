@@ -1,0 +1,3 @@
+"""Observability. `spans` is the API side the library calls; `sdk` and `trace_file` are the
+application side that installs providers, exporters and structlog.
+"""

@@ -1,0 +1,127 @@
+"""Completion events: `query()` never blocks, `wait()` is awaited with a timeout.
+
+Every transfer completes on one of these, on CPU and GPU alike, so the ack queues and
+the agreement run the same code whether or not CUDA is present.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from ..errors import SyncTimeout
+
+_SPIN_S = 2e-4      # poll with bare yields this long before backing off
+_MAX_SLEEP_S = 1e-3
+
+
+class CompletionEvent:
+    """Base: subclasses say whether the work is done; waiting is shared.
+
+    A completed event may carry an `error`: the work failed and its data must not be used.
+    """
+
+    error: BaseException | None = None
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    async def wait(self, timeout_s: float, what: str) -> None:
+        """Await completion without blocking the loop; raise SyncTimeout naming `what`."""
+        if self.query():
+            return
+        start = time.perf_counter()
+        delay = 0.0
+        while not self.query():
+            waited = time.perf_counter() - start
+            if waited > timeout_s:
+                raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s")
+            if waited > _SPIN_S:
+                delay = min(_MAX_SLEEP_S, max(delay * 2, 5e-5))
+            await asyncio.sleep(delay)
+
+
+class HostEvent(CompletionEvent):
+    """Set by a worker thread when a host-side copy or storage call finishes.
+
+    Waiters are woken by the setter through their loop, so awaiting one costs no polling.
+    """
+
+    __slots__ = ("_flag", "_lock", "_waiters", "error", "set_at")
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.error: BaseException | None = None
+        self.set_at: float | None = None    # perf_counter when the work finished: for throughput
+
+    def fail(self, error: BaseException) -> None:
+        """Complete with an error: the work will never happen, so waiters must not wait for it."""
+        self.error = error
+        self.set()
+
+    def set(self) -> None:
+        self.set_at = time.perf_counter()
+        with self._lock:
+            self._flag.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:     # that loop has closed: its waiter is gone
+                pass
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    async def wait(self, timeout_s: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._flag.is_set():
+                return
+            future = loop.create_future()
+            self._waiters.append((loop, future))
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class CudaEvent(CompletionEvent):
+    """A `torch.cuda.Event` recorded on a copy stream after the op's kernels."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def query(self) -> bool:
+        return self._event.query()
+
+
+async def first_completion(events: list[CompletionEvent], timeout_s: float) -> None:
+    """Return once any of `events` completes, or after `timeout_s`, without raising: the
+    caller checks what completed. Host events wake it; others are polled at most every ms."""
+    if not events or any(e.query() for e in events):
+        return
+    host = [e for e in events if isinstance(e, HostEvent)]
+    if len(host) < len(events):     # a device event cannot wake us: poll, as CompletionEvent does
+        end = time.perf_counter() + timeout_s
+        while not any(e.query() for e in events) and time.perf_counter() < end:
+            await asyncio.sleep(_MAX_SLEEP_S)
+        return
+    waits = [asyncio.ensure_future(e.wait(timeout_s + 1.0, "first completion")) for e in host]
+    done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for w in pending:
+        w.cancel()
+    for w in done:
+        w.exception()   # retrieved, so a late timeout is never reported as unhandled

@@ -1,0 +1,79 @@
+"""Device (L1) and host (L2) KV pools, each a tensor of pages plus a free-page allocator."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..errors import PoolExhausted, UsageError
+from ..layout import KVLayout
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
+class PageAllocator:
+    """Free list of page indices; says clearly which tier ran out and by how much."""
+
+    def __init__(self, num_pages: int, tier: str) -> None:
+        if num_pages <= 0:
+            raise UsageError(f"{tier} pool needs a positive page count, got {num_pages}")
+        self.num_pages = num_pages
+        self.tier = tier
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"{self.tier} pool exhausted: need {n} pages, {len(self._free)} free "
+                                f"of {self.num_pages}")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+        if len(self._free) > self.num_pages:
+            raise AssertionError(f"{self.tier} pool: double free ({len(self._free)} > {self.num_pages})")
+
+
+class DevicePool:
+    """L1: layer-major so a forward pass reads one layer's pages as one slab.
+
+    `tensor[layer, page]` has shape `layout.layer_page_shape` = (planes, page_size, heads, dim).
+    """
+
+    tier = "device"
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.alloc = PageAllocator(num_pages, self.tier)
+        self.tensor = torch.zeros((layout.num_layers, num_pages, *layout.layer_page_shape),
+                                  dtype=layout.dtype, device=device)
+
+
+class HostPool:
+    """L2: page-major so one page of every local layer is one contiguous run of bytes.
+
+    That is what storage objects and zero-copy batch calls want. `tensor[page, layer]` has
+    shape `layout.layer_page_shape`. Pinned when CUDA is present, for async copies.
+    """
+
+    tier = "host"
+
+    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+        self.layout = layout
+        self.alloc = PageAllocator(num_pages, self.tier)
+        pin = torch.cuda.is_available()
+        self.tensor = torch.zeros((num_pages, layout.num_layers, *layout.layer_page_shape),
+                                  dtype=layout.dtype, pin_memory=pin)
+
+    def page_bytes(self, page: int) -> memoryview:
+        """The page's bytes, without a copy."""
+        return tensor_bytes(self.tensor[page])
+
+    def page_ptr(self, page: int) -> int:
+        return self.tensor[page].data_ptr()
