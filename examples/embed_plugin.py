@@ -23,12 +23,10 @@ async def main() -> None:
     scheduler = Scheduler(TinyModel(ModelConfig()), plugin, device_pages=cache.device_pages,
                           page_size=cache.page_size)
     workload = Workload(WorkloadSpec(requests=16))
-    try:
+    async with plugin:      # owns the storage workers: none outlives the loop
         # Returns once every request finished and every in-flight transfer retired.
         await scheduler.run(workload, on_finish=lambda req: print(f"request {req.id}: "
                                                                   f"{req.cached} cached prompt tokens"))
-    finally:
-        await plugin.close()
     report = plugin.report()
     print({k: v for k, v in report.items() if k.startswith("tokens_") or k == "transfers"})
 

@@ -25,7 +25,18 @@ class EngineContext:
 
 
 class KVPlugin:
-    """The duties a KV plugin has towards the scheduler loop, one method each."""
+    """The duties a KV plugin has towards the scheduler loop, one method each.
+
+    The engine runs its loop inside `async with plugin:`, so whatever the plugin starts in the
+    background ends when the loop does."""
+
+    async def __aenter__(self) -> KVPlugin:
+        """Start what the plugin runs beside the loop; `attach` may come before or after."""
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        """Stop workers, finish what peers wait for, and release resources; awaited, so it
+        never blocks the scheduler's event loop. An error from the body propagates as is."""
 
     def attach(self, engine: EngineContext) -> None:
         """Take the engine's device pool and placement; called once before the loop starts."""
@@ -35,7 +46,8 @@ class KVPlugin:
         raise NotImplementedError
 
     async def layer_ready(self, reqs: list[Request], layer: int) -> None:
-        """Return once layer `layer` of every request's cached KV is on the device."""
+        """Return once layer `layer` of every request's cached KV is on the device; called
+        from the forward pass with the newly admitted requests that reuse cached KV."""
 
     def finish(self, req: Request) -> None:
         """The request is done: keep what is worth caching and free the rest."""
@@ -59,10 +71,6 @@ class KVPlugin:
 
     def report(self) -> dict:
         return {}
-
-    async def close(self) -> None:
-        """Stop workers, finish what peers wait for, and release resources; awaited, so it
-        never blocks the scheduler's event loop."""
 
 
 def load_plugin(name: str, **options: Any) -> KVPlugin:

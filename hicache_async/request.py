@@ -1,4 +1,5 @@
-"""A request as the scheduler and the cache plugins both see it."""
+"""A request as the engine sees it. A KV plugin sets `pages`, `cached` and `kv_len` when it
+admits one and keeps anything else it needs in its own state, keyed by `id`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,10 +15,6 @@ class Request:
     pages: list[int] = field(default_factory=list)   # device pages for every position it will hold
     cached: int = 0                                    # prompt tokens whose KV came from a cache tier
     kv_len: int = 0                                    # positions whose KV is in `pages`
-    loads: list[Any] = field(default_factory=list)    # load ops its next forward must wait on
-    lock: Any = None                                   # the cache node its prefix pins
-    prefetch: Any = None                               # the L3 prefetch it waits for, if any
-    prefetched: bool = False
     tag: Any = None                                    # the workload's label (conversation, turn)
 
     @property

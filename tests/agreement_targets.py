@@ -1,5 +1,5 @@
 """Rank targets for the agreement tests (run inside simulated ranks)."""
-from hicache_async.parallel.agreement import BACKUP, DIGEST, LOAD, WRITE, pack
+from hicache_async.parallel.agreement import StepMessage
 from hicache_async.parallel.pp_sync import PipelineAgreement
 
 
@@ -9,7 +9,7 @@ async def many_steps(ctx) -> dict:
     most = 0
     for step in range(ctx.payload["steps"]):
         await agreement.reap()
-        await agreement.agree(pack((0, 0, 0, 0), [], 7), step)
+        await agreement.agree(StepMessage(digest=7), step)
         most = max(most, agreement.pending_sends)
     before_close = agreement.counts()
     await agreement.close()
@@ -29,8 +29,8 @@ async def counts(ctx) -> dict:
     seen = []
     for step in range(50):
         mine = offer(ctx.coords.rank, step)
-        agreed = await agreement.agree(pack((mine, mine + 1, 0, 0), [], 1), step)
-        seen.append([agreed[WRITE], agreed[LOAD]])
+        agreed = await agreement.agree(StepMessage(writes=mine, loads=mine + 1, digest=1), step)
+        seen.append([agreed.writes, agreed.loads])
     await agreement.close()
     return {"seen": seen}
 
@@ -40,9 +40,9 @@ async def backups(ctx) -> dict:
     agreement = PipelineAgreement(ctx.coords, ctx.groups, ctx.timeout_s)
     seen = []
     for step in range(20):
-        agreed = await agreement.agree(pack((0, 0, offer(ctx.coords.rank, step), 0), [], 1), step,
+        agreed = await agreement.agree(StepMessage(backups=offer(ctx.coords.rank, step), digest=1), step,
                                        l3_pending=step % 2 == 1)
-        seen.append(agreed[BACKUP])
+        seen.append(agreed.backups)
     await agreement.close()
     return {"seen": seen, "world_reductions": agreement.world_reductions}
 
@@ -55,7 +55,7 @@ async def diverge(ctx) -> dict:
         digest += 1
         if ctx.coords.rank == ctx.payload["odd_rank"] and step == ctx.payload["at"]:
             digest += 1000
-        agreed = await agreement.agree(pack((0, 0, 0, 0), [], digest), step)
-        assert agreed[DIGEST] == digest
+        agreed = await agreement.agree(StepMessage(digest=digest), step)
+        assert agreed.digest == digest and not agreed.diverged
     await agreement.close()
     return {}

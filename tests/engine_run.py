@@ -18,10 +18,8 @@ def run_cached(plugin: HiCachePlugin, spec: WorkloadSpec, model: ModelConfig,
     workload = Workload(spec)
 
     async def run() -> None:
-        try:
+        async with plugin:
             await scheduler.run(workload)
-        finally:
-            await plugin.close()
 
     asyncio.run(run())
     return workload.results()

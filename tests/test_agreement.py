@@ -10,6 +10,7 @@ from hicache_async.layout import KVLayout
 from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.api import EngineContext
 from hicache_async.transfer.pool import DevicePool
+from hicache_async.parallel.agreement import NOT_READY, PREFETCH_SLOTS, StepMessage
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS, InFlightSends
 from hicache_async.sim.launcher import launch
 from hicache_async.parallel.topology import RankCoords
@@ -111,3 +112,36 @@ def test_a_multi_rank_engine_without_an_agreement_is_refused():
     coords = RankCoords(tp_rank=1, tp_size=2)
     with pytest.raises(UsageError, match=r"rank 1 \(tp1 pp0 cp0\): a world of 2 ranks needs a cross-rank"):
         HiCachePlugin().attach(EngineContext(layout, DevicePool(layout, 4), coords))
+
+
+def _min(*msgs: StepMessage) -> StepMessage:
+    """What a MIN all_reduce of the packed messages gives every rank."""
+    return StepMessage.unpack([min(fields) for fields in zip(*(m.pack() for m in msgs))])
+
+
+def test_a_step_message_survives_packing_and_reduces_field_by_field():
+    mine = StepMessage(writes=3, loads=1, backups=2, prefetches=2, prefetch_pages=(5, 0), l3_kbps=900, digest=7)
+    assert StepMessage.unpack(mine.pack()) == mine and not mine.diverged
+    theirs = StepMessage(writes=1, loads=4, backups=2, prefetches=3, prefetch_pages=(2, 6, 1), digest=7)
+    agreed = _min(mine, theirs)
+    # Only the prefetches every rank can retire are agreed, each with the pages all fetched.
+    assert (agreed.writes, agreed.loads, agreed.backups) == (1, 1, 2)
+    assert (agreed.prefetches, agreed.prefetch_pages, agreed.l3_kbps) == (2, (2, 0), 900)
+    assert not agreed.diverged
+    assert _min(mine, StepMessage(digest=9)).diverged
+    assert (_min(mine, StepMessage(digest=9)).digest, _min(mine, StepMessage(digest=9)).digest_max) == (7, 9)
+
+
+def test_the_storage_fields_are_exactly_the_l3_counts_pages_and_throughput():
+    msg = StepMessage(writes=3, loads=2, backups=1, prefetches=1, prefetch_pages=(4,), l3_kbps=50, digest=5)
+    assert msg.storage() == [1, 1, 4, NOT_READY, NOT_READY, NOT_READY, 50]
+    lowered = msg.with_storage([0, 0, NOT_READY, NOT_READY, NOT_READY, NOT_READY, 20])
+    assert lowered == StepMessage(writes=3, loads=2, l3_kbps=20, digest=5)
+    assert msg.fold_digest(2).digest == 2 and msg.fold_digest(2).diverged
+
+
+def test_a_message_with_pages_for_a_different_number_of_prefetches_is_refused():
+    with pytest.raises(ValueError, match="2 prefetches with pages"):
+        StepMessage(prefetches=2, prefetch_pages=(1,))
+    with pytest.raises(ValueError, match=f"at most {PREFETCH_SLOTS}"):
+        StepMessage(prefetches=PREFETCH_SLOTS + 1, prefetch_pages=(0,) * (PREFETCH_SLOTS + 1))

@@ -80,9 +80,8 @@ def test_eviction_under_pressure_spares_locked_pages():
     locked = cache.match(tokens_a).last_node
     cache.tree.lock_device(locked)
     assert cache.alloc_device(4) is None          # b is still being written: nothing to evict yet
-    for op in cache.writes.retire(2):
-        asyncio.run(op.done.wait(5, "write"))
-        cache.release_op(op)
+    due = asyncio.run(cache.retire(1, writes=2, loads=0))    # awaits the copies: agreed done
+    assert [op.kind for op in due] == ["write", "write"] and not cache.busy()
     got = cache.alloc_device(4)
     assert got is not None and sorted(got[:2]) == sorted(pages_b)
     assert cache.match(tokens_a).device_pages == pages_a     # locked: still on the device
@@ -98,10 +97,8 @@ def test_selective_write_on_match_never_evicts_the_host_hits_it_returns():
     cache.insert(tokens[:4], pages[:1], ["h0"])          # node D: one hit so far
     lower = cache.tree.insert(tokens, pages, ["h0", "h1"]).new_nodes[0]   # node A below it
     assert cache.write(lower)                            # A gets the only host page
-    op = cache.writes.retire(1)[0]
-    asyncio.run(op.done.wait(5, "write"))
-    cache.release_op(op)
-    cache.device.alloc.release(cache.tree.evict_device(lower))   # A is now host-only
+    asyncio.run(cache.retire(1, writes=1, loads=0))
+    cache.free_device(cache.tree.evict_device(lower))    # A is now host-only
     match = cache.match(tokens)                          # D is hit again: selective writes it
     assert match.host_nodes == [lower] and lower.id in cache.tree.nodes
     assert lower.host is not None

@@ -1,8 +1,8 @@
 """No head-of-line blocking on the L3 workers: short ops are not held up behind long ones."""
-import asyncio
+import contextlib
 import time
 
-import pytest
+import anyio
 
 from hicache_async.hicache.cache import TieredCache
 from hicache_async.config import CacheConfig
@@ -33,16 +33,16 @@ class SlowStorage(MemoryStorage):
         return super().batch_get(keys, buffers)
 
 
-@pytest.fixture
-def tier():
-    """One worker per kind of op, the worst case for head-of-line blocking, over stored pages."""
+@contextlib.asynccontextmanager
+async def slow_tier():
+    """One worker per kind of op, the worst case for head-of-line blocking, over stored pages;
+    its ops run in a task group, as under the plugin."""
     cfg = CacheConfig(device_pages=8, host_pages=2 * LONG + 8, page_size=4, storage_workers=1)
     cache = TieredCache(cfg, DevicePool(LAYOUT, 8), HostPool(LAYOUT, 2 * LONG + 8))
     storage = SlowStorage()
     store = PageStore(storage, LAYOUT, make_key_scheme("rank-suffix", LAYOUT))
-    tier = StorageTier(cache, store, cfg)
-    yield tier, storage
-    tier.close()
+    async with anyio.create_task_group() as tasks:
+        yield StorageTier(cache, store, cfg, tasks), storage
     cache.close()
 
 
@@ -54,36 +54,37 @@ def _prefetch(tier, request_id, tokens):
     return tier.prefetch(request_id, tier.cache.tree.root, tokens, 0, page_hashes(tokens, 4))
 
 
-def _wait(op) -> None:
-    asyncio.run(op.done.wait(30, op.kind))
+async def _wait(op) -> None:
+    await op.done.wait(30, op.kind)
 
 
-def test_a_short_prefetch_completes_before_a_long_one_issued_first(tier):
-    tier, storage = tier
-    long_tokens, short_tokens = _tokens(0, LONG), _tokens(10**6, 2)
-    for tokens in (long_tokens, short_tokens):
-        pages = list(range(len(tokens) // 4))
-        assert tier.store.backup(page_hashes(tokens, 4), tier.cache.host, pages).ok == [True] * len(pages)
-    storage.seconds_per_object = 0.002
-    long, short = _prefetch(tier, 1, long_tokens), _prefetch(tier, 2, short_tokens)
-    _wait(short)
-    assert not long.done.query(), "the short prefetch waited for the whole long one"
-    _wait(long)
-    assert (short.result.pages, long.result.pages, long.result.errors) == (2, LONG, 0)
-    assert long.result.bytes == LONG * (tier.store.counters.bytes_read // (LONG + 2))
+async def test_a_short_prefetch_completes_before_a_long_one_issued_first():
+    async with slow_tier() as (tier, storage):
+        long_tokens, short_tokens = _tokens(0, LONG), _tokens(10**6, 2)
+        for tokens in (long_tokens, short_tokens):
+            pages = list(range(len(tokens) // 4))
+            assert tier.store.backup(page_hashes(tokens, 4), tier.cache.host, pages).ok == [True] * len(pages)
+        storage.seconds_per_object = 0.002
+        long, short = _prefetch(tier, 1, long_tokens), _prefetch(tier, 2, short_tokens)
+        await _wait(short)
+        assert not long.done.query(), "the short prefetch waited for the whole long one"
+        await _wait(long)
+        assert (short.result.pages, long.result.pages, long.result.errors) == (2, LONG, 0)
+        assert long.result.bytes == LONG * (tier.store.counters.bytes_read // (LONG + 2))
 
 
-def test_a_prefetch_is_not_held_up_behind_a_long_backup(tier):
-    tier, storage = tier
-    short_tokens = _tokens(10**6, 2)
-    assert tier.store.backup(page_hashes(short_tokens, 4), tier.cache.host, [0, 1]).ok == [True] * 2
-    storage.seconds_per_object = 0.002
-    long_tokens = _tokens(0, LONG)
-    write = CacheOp("write", tier.cache.tree.root, [HostEvent()], LONG, 0,
-                    hashes=page_hashes(long_tokens, 4), host_pages=list(range(LONG)))
-    backup = tier.backup(write)
-    prefetch = _prefetch(tier, 1, short_tokens)
-    _wait(prefetch)
-    assert not backup.done.query(), "the prefetch waited for the backup"
-    _wait(backup)
-    assert prefetch.result.pages == 2 and backup.result.ok == [True] * LONG
+async def test_a_prefetch_is_not_held_up_behind_a_long_backup():
+    async with slow_tier() as (tier, storage):
+        short_tokens = _tokens(10**6, 2)
+        assert tier.store.backup(page_hashes(short_tokens, 4), tier.cache.host, [0, 1]).ok == [True] * 2
+        storage.seconds_per_object = 0.002
+        long_tokens = _tokens(0, LONG)
+        write = CacheOp("write", tier.cache.tree.root, [HostEvent()], LONG, 0,
+                        hashes=page_hashes(long_tokens, 4), host_pages=list(range(LONG)))
+        tier.back_up([write])
+        backup = next(iter(tier.backups))
+        prefetch = _prefetch(tier, 1, short_tokens)
+        await _wait(prefetch)
+        assert not backup.done.query(), "the prefetch waited for the backup"
+        await _wait(backup)
+        assert prefetch.result.pages == 2 and backup.result.ok == [True] * LONG

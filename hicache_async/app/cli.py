@@ -9,7 +9,7 @@ import sys
 from ..transfer import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from ..errors import HiCacheError, UsageError
-from ..storage.base import storage_names
+from .storage_flags import add_storage_flags, storage_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,18 +35,6 @@ _non_negative = _number(int, "an integer >= 0", lambda v: v >= 0)
 _non_negative_float = _number(float, "a number >= 0", lambda v: 0 <= v < float("inf"))
 
 
-def _check_metadata_url(url: str) -> None:
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
-        raise UsageError(f"--mooncake-metadata must be http://HOST:PORT/metadata, got {url!r}")
-
-
 def _size(text: str) -> int:
     from ..sim.capacity import parse_size
 
@@ -60,16 +48,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """Topology, cache, storage and telemetry flags: the same for every job on simulated ranks."""
     for flag in ("--tp", "--pp", "--cp"):
         p.add_argument(flag, type=_positive, default=1)
-    p.add_argument("--storage", choices=[*storage_names(), "none"], default="file",
-                   help="an L3 backend from the hicache_async.storage entry points, or none")
-    p.add_argument("--storage-path", help="file storage directory (default: simulate a per-user cache, "
-                                          "replay a fresh temporary one)")
+    add_storage_flags(p)
     p.add_argument("--l3-capacity", type=_size, metavar="BYTES",
-                   help="file storage capacity, e.g. 512M or 2G (default 8G); LRU beyond it")
-    p.add_argument("--mooncake-master", metavar="HOST:PORT",
-                   help="use this master (and its segment holder) instead of starting one for the run")
-    p.add_argument("--mooncake-metadata", metavar="URL",
-                   help="that master's metadata server (default http://HOST:8080/metadata)")
+                   help="bound L3 at this size, e.g. 512M or 2G, for a storage that takes one; LRU beyond it")
     p.add_argument("--device-pages", type=_positive)
     p.add_argument("--host-pages", type=_positive)
     p.add_argument("--page-size", type=_positive)
@@ -125,15 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cache_config(ns: argparse.Namespace) -> CacheConfig:
-    """The cache flags as a config; storage flags that do not fit together are usage errors."""
+    """The cache flags as a config."""
     if ns.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {ns.timeout}")
-    if ns.mooncake_master and ns.storage != "mooncake":
-        raise UsageError(f"--mooncake-master {ns.mooncake_master} needs --storage mooncake")
-    if ns.mooncake_metadata and not ns.mooncake_master:
-        raise UsageError(f"--mooncake-metadata {ns.mooncake_metadata} needs --mooncake-master")
-    if ns.mooncake_metadata:
-        _check_metadata_url(ns.mooncake_metadata)
     return CacheConfig(device_pages=ns.device_pages, host_pages=ns.host_pages, page_size=ns.page_size,
                        write_policy=ns.write_policy, prefetch_policy=ns.prefetch_policy,
                        prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
@@ -145,9 +120,8 @@ def _run_args(ns: argparse.Namespace, cls=None, **extra):
     from ..sim.simulate import RunArgs
 
     return (cls or RunArgs)(
-        tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_path=ns.storage_path,
-        l3_capacity=ns.l3_capacity, mooncake_master=ns.mooncake_master, mooncake_metadata=ns.mooncake_metadata,
-        seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_options=storage_options(ns),
+        l3_capacity=ns.l3_capacity, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
         storage_optional=ns.storage_optional, **extra)
 
 
@@ -235,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ns = build_parser().parse_args(argv)
         faults.injected()       # an unknown fault name is a usage error before any work starts
-        return {"simulate": _simulate, "replay": _replay, "bench": _bench}[ns.command](ns)
+        if ns.command == "bench":
+            return _bench(ns)
+        from ..sim.torchrun import lead_or_follow   # under torchrun this process is one rank
+        return lead_or_follow(lambda: {"simulate": _simulate, "replay": _replay}[ns.command](ns))
     except UsageError as exc:
         print(f"hicache-async: error: {exc}", file=sys.stderr)
         return 2

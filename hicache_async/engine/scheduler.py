@@ -3,12 +3,14 @@
 Each iteration: `await plugin.on_step()`, admit arrivals in FIFO order, run one batch
 (prefill for newly admitted requests, one decode token for the rest), finish requests.
 Every decision depends only on the workload and the plugin's state, so every rank
-builds the same batches.
+builds the same batches. The caller runs it inside `async with plugin:`.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+
+import anyio
 
 from ..errors import PoolExhausted
 from ..api import EngineContext, KVPlugin
@@ -27,6 +29,7 @@ class Scheduler:
         self.model, self.plugin = model, plugin
         self.witness = witness or KVWitness()
         layout = model.kv_layout(page_size)
+        self.device_pages = device_pages
         self.pool = DevicePool(layout, device_pages)
         plugin.attach(EngineContext(layout, self.pool, model.coords, run_id, model.groups))
         self.forwards = 0
@@ -52,19 +55,18 @@ class Scheduler:
             if not running and not admitted:
                 if waiting and not plugin.busy():
                     raise PoolExhausted(f"request {waiting[0].id} cannot be admitted and nothing is in "
-                                        f"flight: the device pool ({self.pool.alloc.num_pages} pages) is too small")
+                                        f"flight: the device pool ({self.device_pages} pages) is too small")
                 await plugin.wait_progress(IDLE_WAIT_S)   # until copy or storage work completes
                 continue
             running += admitted
             batch = [self.chunk(r) for r in running]
-            tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(running, admitted))
+            tokens = await self.model.forward(batch, self.pool.tensor, self._layer_ready(admitted))
             self.forwards += 1
             for req in admitted:
                 self.witness.after_prefill(req, self.pool.tensor)
             still = []
             for req, chunk, token in zip(running, batch, tokens):
                 req.kv_len = chunk.end
-                req.loads = []
                 req.output.append(token)
                 if len(req.output) >= req.max_new:
                     plugin.finish(req)
@@ -83,17 +85,17 @@ class Scheduler:
             return SeqChunk(req.prompt[req.kv_len:], req.kv_len, req.pages)
         return SeqChunk([req.output[-1]], req.kv_len, req.pages)
 
-    def _layer_ready(self, running: list[Request], admitted: list[Request]):
-        """The forward pass's per-layer hook: wait for loads, then let the witness see the cached
-        pages of newly admitted requests before the layer reads them."""
-        waiting = [r for r in running if r.loads]
+    def _layer_ready(self, admitted: list[Request]):
+        """The forward pass's per-layer hook. Each layer gives the event loop's other tasks (the
+        plugin's storage work) a turn, as awaiting a device would; newly admitted requests that
+        reuse cached KV then wait for the layer to be on the device (loads), and the witness
+        sees their cached pages before the layer reads them."""
         reused = [r for r in admitted if r.cached]
-        if not waiting and not reused:
-            return None
 
         async def ready(layer: int) -> None:
-            if waiting:
-                await self.plugin.layer_ready(waiting, layer)
+            await anyio.lowlevel.checkpoint()
+            if reused:
+                await self.plugin.layer_ready(reused, layer)
             for req in reused:
                 self.witness.before_read(req, layer, self.pool.tensor[layer], self.plugin.kv_origin(req))
         return ready

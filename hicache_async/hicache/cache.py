@@ -2,34 +2,50 @@
 
 Every decision here is a pure function of the tree and the pools, both of which change
 only through calls made in the same order on every rank, so ranks stay identical. Each
-decision is folded into `digest`, which the agreement compares across ranks.
+decision is folded into `digest`, which the agreement compares across ranks. The tree and
+the pools' allocators are this tier's alone: callers use the paired verbs below.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..config import CacheConfig
-from .ops import AckQueue, CacheOp
-from ..transfer.pool import DevicePool, HostPool
-from .radix import Match, Node, RadixTree
+from ..parallel.topology import RankCoords
 from ..transfer.copier import Copier
+from ..transfer.events import CompletionEvent
+from ..transfer.pool import DevicePool, HostPool
+from .op_tracing import OpTracer
+from .ops import AckQueue, CacheOp, settle
+from .radix import Match, Node, RadixTree
 
 WRITE_ON_EVICT = ("write_back", "write_through_selective")
 
 
+@dataclass
+class Admitted:
+    """A request's side of an admission: its device pages (cached prefix first), the node its
+    prefix lock holds, the load its first forward waits on, and each cached page's tier."""
+
+    pages: list[int]
+    lock: Node | None
+    load: CacheOp | None
+    origin: list[str]
+
+
 class TieredCache:
     def __init__(self, config: CacheConfig, device: DevicePool, host: HostPool,
-                 on_issue=lambda op, request_ids: None) -> None:
+                 tracer: OpTracer | None = None) -> None:
         self.config = config
         self.device, self.host = device, host
         self.tree = RadixTree(config.page_size)
         self.copier = Copier(device, host)
+        self.tracer = tracer or OpTracer("local", RankCoords(), config.key_scheme)   # used alone
         self.writes = AckQueue("write")
         self.loads = AckQueue("load")
         self.digest = 0
-        self.on_issue = on_issue      # (op, request ids) as each op is issued: tracing
         self.dropped_pages = 0
 
     def note(self, *decision: object) -> None:
@@ -37,8 +53,106 @@ class TieredCache:
         h = hashlib.blake2b(repr((self.digest, decision)).encode(), digest_size=8).digest()
         self.digest = int.from_bytes(h, "little") >> 2
 
+    # -- requests ---------------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> Match:
+        match = self.tree.match_prefix(tokens)
+        if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
+            match.host_nodes = []
+        if self.config.write_policy == "write_through_selective":
+            with self._holding(match.last_node):   # making host room must keep the hits
+                for node in match.device_nodes:
+                    if node.hits >= 2 and node.host is None:
+                        self.write(node)
+        return match
+
+    def admit(self, match: Match, pages: int, request_id: int) -> Admitted | None:
+        """`pages` device pages for a request whose cached prefix is `match`: the device hits,
+        then fresh pages, the first of which the host hits are loaded into. The prefix stays
+        locked on the device until `finish`. None if there is no room this step."""
+        lock = match.last_node
+        fresh = self.alloc_device(pages - len(match.device_pages), keep=lock)
+        if fresh is None:
+            return None
+        self.tree.lock_device(lock)
+        origin, load = ["l1"] * len(match.device_pages), None
+        if match.host_nodes:
+            load = self._load(match.host_nodes, fresh[: match.host_tokens // self.config.page_size], request_id)
+            for n in match.host_nodes:      # a page fetched from L3 counts as L3 at its first use
+                origin += ["l3" if n.fetched else "l2"] * n.num_pages
+                n.fetched = False
+        return Admitted(match.device_pages + fresh, lock, load, origin)
+
+    def finish(self, tokens: list[int], pages: list[int], hashes: list[str], lock: Node | None) -> None:
+        """Cache a finished request's full pages (`tokens` spans exactly them), free the rest of
+        its `pages`, and unlock the prefix its admission locked."""
+        full = len(tokens) // self.config.page_size
+        self.device.alloc.release(self.insert(tokens, pages[:full], hashes) + pages[full:])
+        self.tree.lock_device(lock, -1)
+
+    def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
+        """Cache a sequence's full pages; returns the caller's pages to free."""
+        inserted = self.tree.insert(tokens, pages, hashes)
+        self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
+        if self.config.write_policy == "write_through":
+            for node in inserted.new_nodes:
+                self.write(node)
+        return inserted.duplicate_pages
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def alloc_device(self, n: int, keep: Node | None = None) -> list[int] | None:
+        """`n` device pages, evicting LRU leaves but not `keep`'s path; None if that is not
+        possible this step. `free_device` gives them back."""
+        alloc = self.device.alloc
+        with self._holding(keep):
+            while alloc.free < n:
+                if not self._evict_device():
+                    return None
+        self.note("alloc-device", n)
+        return alloc.alloc(n)
+
+    def free_device(self, pages: list[int]) -> None:
+        self.device.alloc.release(pages)
+
+    def alloc_host(self, n: int, keep: Node | None = None) -> list[int] | None:
+        alloc = self.host.alloc
+        with self._holding(keep):
+            while alloc.free < n:
+                node = next(self.tree.lru_host_leaves(), None)
+                if node is None:
+                    return None
+                self.note("evict-host", node.id)
+                self._drop(node)
+        self.note("alloc-host", n)
+        return alloc.alloc(n)
+
+    def free_host(self, pages: list[int]) -> None:
+        self.host.alloc.release(pages)
+
+    def _evict_device(self) -> bool:
+        """Free device pages by one eviction step; False if no leaf can give any up."""
+        for node in self.tree.lru_device_leaves():
+            if node.host is not None:
+                self.note("evict-device", node.id)
+                self.device.alloc.release(self.tree.evict_device(node))
+                return True
+            if self.config.write_policy in WRITE_ON_EVICT and self.write(node):
+                return True     # locked until its write retires; the next pass tries other leaves
+            if self.tree.removable(node):
+                self.note("drop", node.id)
+                self._drop(node)
+                return True
+        return False
+
+    def _drop(self, node: Node) -> None:
+        device, host = self.tree.remove(node)
+        self.dropped_pages += len(device) + len(host)
+        self.device.alloc.release(device)
+        self.host.alloc.release(host)
+
     @contextmanager
-    def holding(self, node: Node | None) -> Iterator[None]:
+    def _holding(self, node: Node | None) -> Iterator[None]:
         """Pin `node`'s path while making room, so eviction cannot take what the caller holds."""
         self.tree.pin(node)
         try:
@@ -46,44 +160,26 @@ class TieredCache:
         finally:
             self.tree.pin(node, -1)
 
-    # -- allocation --------------------------------------------------------------------------
+    # -- locks the storage tier takes -----------------------------------------------------------
 
-    def alloc_device(self, n: int) -> list[int] | None:
-        """`n` device pages, evicting LRU leaves; None if that is not possible this step."""
-        alloc = self.device.alloc
-        while alloc.free < n:
-            for node in self.tree.lru_device_leaves():
-                if node.host is not None:
-                    self.note("evict-device", node.id)
-                    alloc.release(self.tree.evict_device(node))
-                    break
-                if self.config.write_policy in WRITE_ON_EVICT and self.write(node):
-                    break       # locked until its write retires; the next pass tries other leaves
-                if self.tree.removable(node):
-                    self.note("drop", node.id)
-                    self._drop(node)
-                    break
-            else:
-                return None
-        self.note("alloc-device", n)
-        return alloc.alloc(n)
+    def pin(self, node: Node | None) -> None:
+        """Keep `node`'s path on both tiers while an op reads or grafts under it."""
+        self.tree.pin(node)
 
-    def alloc_host(self, n: int) -> list[int] | None:
-        alloc = self.host.alloc
-        while alloc.free < n:
-            node = next(self.tree.lru_host_leaves(), None)
-            if node is None:
-                return None
-            self.note("evict-host", node.id)
-            self._drop(node)
-        self.note("alloc-host", n)
-        return alloc.alloc(n)
+    def unpin(self, node: Node | None) -> None:
+        self.tree.pin(node, -1)
 
-    def _drop(self, node: Node) -> None:
-        device, host = self.tree.remove(node)
-        self.dropped_pages += len(device) + len(host)
-        self.device.alloc.release(device)
-        self.host.alloc.release(host)
+    def lock_host(self, node: Node | None) -> None:
+        """Keep `node`'s host pages while a backup reads them."""
+        self.tree.lock_host(node)
+
+    def unlock_host(self, node: Node | None) -> None:
+        self.tree.lock_host(node, -1)
+
+    def graft(self, tokens: list[int], first_page: int, hashes: list[str], host_pages: list[int]) -> list[int]:
+        """Cache pages fetched from L3 as host-only pages under the prefix; returns those that
+        someone cached meanwhile, for `free_host`."""
+        return self.tree.graft_host(tokens, first_page, hashes, host_pages)
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -98,11 +194,11 @@ class TieredCache:
         self.tree.pin(node)
         op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
                      hashes=list(node.hashes), host_pages=list(pages))
-        self.on_issue(op, [])
+        self.tracer.issue(op, [])
         self.writes.push(op)
         return True
 
-    def load(self, nodes: list[Node], device_pages: list[int], request_id: int) -> CacheOp:
+    def _load(self, nodes: list[Node], device_pages: list[int], request_id: int) -> CacheOp:
         """Bring host-only nodes back to the device (L2 -> L1), layer by layer."""
         host_pages = [p for n in nodes for p in n.host]
         self.note("load", nodes[0].id, len(host_pages))
@@ -112,37 +208,35 @@ class TieredCache:
             self.tree.set_device(n, device_pages[i: i + n.num_pages])
             i += n.num_pages
         self.tree.pin(nodes[-1])
-        op = CacheOp("load", nodes[-1], events, len(host_pages),
-                     len(host_pages) * self.host.layout.page_bytes)
-        self.on_issue(op, [request_id])
+        op = CacheOp("load", nodes[-1], events, len(host_pages), len(host_pages) * self.host.layout.page_bytes)
+        self.tracer.issue(op, [request_id])
         self.loads.push(op)
         return op
 
-    def release_op(self, op: CacheOp) -> None:
-        """Retire a write or load: its pages may be evicted again."""
-        self.tree.pin(op.node, -1)
+    # -- retirement -------------------------------------------------------------------------
 
-    # -- requests ---------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return len(self.writes) > 0 or len(self.loads) > 0
 
-    def match(self, tokens: list[int]) -> Match:
-        match = self.tree.match_prefix(tokens)
-        if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
-            match.host_nodes = []
-        if self.config.write_policy == "write_through_selective":
-            with self.holding(match.last_node):   # making host room must keep the hits
-                for node in match.device_nodes:
-                    if node.hits >= 2 and node.host is None:
-                        self.write(node)
-        return match
+    def ready(self) -> tuple[int, int]:
+        """Leading writes and loads this rank has completed: its offer for the agreement."""
+        return self.writes.ready(), self.loads.ready()
 
-    def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
-        """Cache a finished sequence's full pages; returns the caller's pages to free."""
-        inserted = self.tree.insert(tokens, pages, hashes)
-        self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
-        if self.config.write_policy == "write_through":
-            for node in inserted.new_nodes:
-                self.write(node)
-        return inserted.duplicate_pages
+    def heads(self) -> list[CompletionEvent]:
+        """Completion events of the ops that retire next: what an idle loop may wait on."""
+        return [op.done for op in (self.writes.head(), self.loads.head()) if op is not None]
+
+    async def retire(self, step: int, *, writes: int, loads: int) -> list[CacheOp]:
+        """Retire the agreed leading writes and loads, whose pages may be evicted again;
+        returns the writes, which are due for backup."""
+        due = self.writes.retire(writes)
+        for op in due + self.loads.retire(loads):
+            await settle(op, step, self.tracer, self.config.sync_timeout_s)
+            self.tree.pin(op.node, -1)
+        self.tracer.metrics.queue_depth("write", len(self.writes))
+        self.tracer.metrics.queue_depth("load", len(self.loads))
+        return due
 
     def close(self) -> None:
         self.copier.close()
+

@@ -1,8 +1,8 @@
 """One rank's cache telemetry: a span per agreed step, a span per admitted request, a span per
 transfer from issue to retirement, and the cache metrics.
 
-The plugin passes it down to the tiers, which call `issue` as they issue ops; the plugin calls
-`retired` once every rank agreed an op is done.
+The plugin passes it down to the tiers, which call `issue` as they issue ops and `retired` once
+every rank agreed an op is done (`abandoned` for one the plugin's exit cancelled).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class OpTracer:
     def __init__(self, run_id: str, coords: RankCoords, key_scheme: str) -> None:
         self.run_id, self.coords, self.key_scheme = run_id, coords, key_scheme
         self.metrics = spans.CacheMetrics()
+        self.transfers = {kind: 0 for kind in ROUTES}     # retired, by kind
         self.step_span = None
 
     def begin_step(self, step: int) -> None:
@@ -51,11 +52,16 @@ class OpTracer:
         for reason in ("corrupt", "missing"):
             if failed.get(f"hicache.{reason}"):
                 self.metrics.bad_objects(reason, failed[f"hicache.{reason}"])
+        self.transfers[op.kind] += 1
         self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
         if op.span is not None:
             outcome = "error" if error is not None or any(failed.values()) else "ok"
             spans.finish_transfer(op.span, result=outcome, error=error,
                                       attrs={"hicache.retired_step": step, **failed, **(attrs or {})})
+
+    def abandoned(self, op: CacheOp) -> None:
+        if op.span is not None:
+            spans.finish_transfer(op.span, result="cancelled")
 
     def end(self) -> None:
         if self.step_span is not None:

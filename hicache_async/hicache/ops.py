@@ -1,14 +1,18 @@
-"""Cache operations in flight and the FIFO ack queues that retire them."""
+"""Cache operations in flight, the FIFO ack queues that retire them, and retiring one."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..transfer.copier import CopyFailed
 from ..transfer.events import CompletionEvent
 from .radix import Node
+
+if TYPE_CHECKING:
+    from .op_tracing import OpTracer
 
 # The tiers each kind of transfer moves pages between: (source, destination).
 ROUTES = {"write": ("l1", "l2"), "load": ("l2", "l1"), "backup": ("l2", "l3"), "prefetch": ("l3", "l2")}
@@ -50,6 +54,11 @@ class StorageOp(CacheOp):
     result: Any = None
     deadline: float = float("inf")
 
+    @property
+    def fetched_pages(self) -> int:
+        """Pages this rank's prefetch brought in (its leading run); 0 if it failed."""
+        return getattr(self.result, "pages", 0)
+
 
 class AckQueue:
     """Ops of one kind in issue order; only a leading run of completed ops may retire."""
@@ -63,6 +72,9 @@ class AckQueue:
 
     def __iter__(self):
         return iter(self._ops)
+
+    def head(self) -> CacheOp | None:
+        return self._ops[0] if self._ops else None
 
     def push(self, op: CacheOp) -> None:
         self._ops.append(op)
@@ -80,3 +92,14 @@ class AckQueue:
         if n > len(self._ops):
             raise AssertionError(f"{self.kind} queue: asked to retire {n} of {len(self._ops)} ops")
         return [self._ops.popleft() for _ in range(n)]
+
+
+async def settle(op: CacheOp, step: int, tracer: OpTracer, timeout_s: float, attrs: dict | None = None) -> None:
+    """Retire an op every rank agreed is done: a later pipeline stage may get there before its
+    own copy finished, so await it (bounded); a failed copy stops the run, naming the op."""
+    where = tracer.coords.label()
+    if not op.done.query():
+        await op.done.wait(timeout_s, f"{where}: {op.kind} op at step {step}")
+    if op.done.error is not None:
+        raise CopyFailed(f"{where}: {op.kind} op of {op.pages} pages failed: {op.done.error}")
+    tracer.retired(op, step, attrs)

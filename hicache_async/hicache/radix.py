@@ -1,4 +1,4 @@
-"""Radix tree over full token pages, with per-node residency on the device and host tiers.
+"""Radix tree over full token pages: matching, insertion, grafting and removal.
 
 Invariants the plugin relies on (and the property tests check):
 - device-resident nodes form a rooted subtree, so a match is a device run then a host run;
@@ -7,15 +7,14 @@ Invariants the plugin relies on (and the property tests check):
 - every LRU decision uses a logical clock and node ids, never wall time, so identical
   call sequences on different ranks give identical trees.
 
-Eviction candidates are kept in two `LruLeaves` sets updated as the tree changes, so no
-operation costs more than the pages it touches plus O(log n) per node it re-files.
+Where each node's pages live, its locks and the eviction candidates are `Residency`'s
+(residency.py), which the tree builds on.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .lru_leaves import LruLeaves
+from .residency import Residency
 
 
 class Node:
@@ -85,15 +84,13 @@ class Inserted:
     new_nodes: list[Node]
 
 
-class RadixTree:
+class RadixTree(Residency):
     def __init__(self, page_size: int) -> None:
+        super().__init__()
         self.page_size = page_size
         self.root = Node(0, None, (), [], [], [])
         self._next_id = 1
-        self.clock = 0
         self.nodes: dict[int, Node] = {}
-        self._device_leaves = LruLeaves()
-        self._host_leaves = LruLeaves()
 
     # -- lookup and insertion --------------------------------------------------------------
 
@@ -160,88 +157,6 @@ class RadixTree:
             return list(host_pages[:k])
         return list(host_pages)
 
-    def set_device(self, node: Node, pages: list[int]) -> None:
-        """Give a host-only node device pages (a load, or an insert adopting it)."""
-        assert node.device is None and node.parent.device is not None, "device nodes form a rooted subtree"
-        node.device = pages
-        node.parent.device_children += 1
-        self._refile(node)
-        self._refile(node.parent)
-
-    def set_host(self, node: Node, pages: list[int]) -> None:
-        """Record the host copy a write makes of a device node."""
-        assert node.host is None, f"{node} already has a host copy"
-        node.host = pages
-        self._refile(node)
-
-    def path_to(self, node: Node | None) -> list[Node]:
-        out = []
-        while node is not None and node is not self.root:
-            out.append(node)
-            node = node.parent
-        return out[::-1]
-
-    # -- locks -------------------------------------------------------------------------------
-
-    def lock_device(self, node: Node | None, delta: int = 1) -> None:
-        """Lock (or unlock, delta=-1) `node` and its ancestors against device eviction.
-
-        Locks cover whole paths so that splitting a locked node leaves both halves
-        covered, and the later unlock of the lower half releases the upper one too.
-        """
-        for n in self.path_to(node):
-            n.device_lock += delta
-            assert n.device_lock >= 0, f"device lock of node {n.id} went negative"
-            self._refile(n)
-
-    def lock_host(self, node: Node | None, delta: int = 1) -> None:
-        """Like `lock_device`, against host eviction."""
-        for n in self.path_to(node):
-            n.host_lock += delta
-            assert n.host_lock >= 0, f"host lock of node {n.id} went negative"
-            self._refile(n)
-
-    def pin(self, node: Node | None, delta: int = 1) -> None:
-        """Lock (or unlock) `node`'s path on both tiers: an op in flight, or a graft point."""
-        self.lock_device(node, delta)
-        self.lock_host(node, delta)
-
-    # -- eviction ------------------------------------------------------------------------
-
-    def lru_device_leaves(self) -> Iterator[Node]:
-        """Unlocked device-resident nodes with no device-resident child, LRU first, lazily.
-
-        It may resume after changes that only take device leaves out (a lock, a write);
-        after one that can add or re-key one (an eviction, a removal, an unlock, a match),
-        stop: resuming raises rather than yield a stale order."""
-        return iter(self._device_leaves)
-
-    def lru_host_leaves(self) -> Iterator[Node]:
-        """Unlocked host-only nodes with no children, LRU first, lazily."""
-        return iter(self._host_leaves)
-
-    def evict_device(self, node: Node) -> list[int]:
-        """Drop the device copy of a node that has a host copy; returns the freed pages."""
-        assert node.host is not None and node.device_lock == 0
-        assert not node.device_children, "not a device leaf"
-        pages, node.device = node.device, None
-        node.parent.device_children -= 1
-        self._refile(node)
-        self._refile(node.parent)
-        return pages
-
-    def removable(self, node: Node) -> bool:
-        """Whether no node in `node`'s subtree is locked on either tier.
-
-        Its own locks say so. A lock adds 1 on every node of the path from the root to its
-        target and its unlock takes 1 from that path, so a node's count is the number of
-        live locks whose target lies in its subtree, which is at least any descendant's.
-        Paths change in two ways only, and both keep this: a split puts the upper part on
-        exactly the paths through the lower part and gives it the lower part's counts, and
-        removal takes only subtrees no live lock targets (their root's counts are 0).
-        """
-        return node.device_lock == 0 and node.host_lock == 0
-
     def remove(self, node: Node) -> tuple[list[int], list[int]]:
         """Remove a node and its subtree; returns (device pages, host pages) to free."""
         device: list[int] = []
@@ -254,8 +169,7 @@ class RadixTree:
             host.extend(n.host or ())
             stack.extend(n.children.values())
             del self.nodes[n.id]
-            self._device_leaves.update(n, False)
-            self._host_leaves.update(n, False)
+            self._forget(n)
         parent = node.parent
         del parent.children[node.tokens[: self.page_size]]
         parent.device_children -= node.device is not None
@@ -313,20 +227,6 @@ class RadixTree:
         self._touch(node)
         self._refile(parent)
         return node
-
-    def _touch(self, node: Node) -> None:
-        node.last_access = self.clock
-        self._refile(node)
-
-    def _refile(self, node: Node) -> None:
-        """Put `node` in or out of the leaf sets after its residency, locks, children or
-        last access changed; the definitions here are the ones eviction relies on."""
-        if node is self.root:
-            return
-        self._device_leaves.update(node, node.device is not None and node.device_lock == 0
-                                   and node.device_children == 0)
-        self._host_leaves.update(node, node.device is None and node.host is not None
-                                 and node.host_lock == 0 and not node.children)
 
     def _take_id(self) -> int:
         self._next_id += 1

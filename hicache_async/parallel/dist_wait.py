@@ -9,16 +9,17 @@ point-to-point Works never report `is_completed()` and their `wait()` must be ca
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
 
+import anyio
 import torch
 import torch.distributed as dist
 
 from ..daemon_threads import DaemonThreads
 from ..errors import HiCacheError, SyncTimeout
+from ..transfer.events import HostEvent, first_completion
 from .topology import RankCoords
 
 SPIN_S = 300e-6
@@ -33,16 +34,14 @@ async def wait_work(work: dist.Work, *, what: str, coords: RankCoords,
             _settle_inline(work, what, coords)
             return
         os.sched_yield()
-        await asyncio.sleep(0)
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[BaseException | None] = loop.create_future()
-    _WAITERS.submit(work.wait).add_done_callback(lambda f: _call_soon(loop, done, f.exception()))
-    remaining = timeout_s - (time.perf_counter() - started)
-    try:
-        error = await asyncio.wait_for(done, max(remaining, 0.0))
-    except asyncio.TimeoutError:
-        raise SyncTimeout(
-            f"{coords.label()}: {what} did not complete within {timeout_s:g} s") from None
+        await anyio.sleep(0)
+    waited = _WAITERS.submit(work.wait)
+    finished = HostEvent()
+    waited.add_done_callback(lambda _: finished.set())
+    await first_completion([finished], max(timeout_s - (time.perf_counter() - started), 0.0))
+    if not waited.done():
+        raise SyncTimeout(f"{coords.label()}: {what} did not complete within {timeout_s:g} s")
+    error = waited.exception()
     if error is not None:
         raise HiCacheError(f"{coords.label()}: {what} failed: {_reason(error)}") from error
 
@@ -76,18 +75,7 @@ def _reason(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", lines[0])
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, done: asyncio.Future,
-               error: BaseException | None) -> None:
-    try:
-        loop.call_soon_threadsafe(_resolve, done, error)
-    except RuntimeError:  # the loop has closed: its waiter already timed out
-        pass
-
-
-def _resolve(done: asyncio.Future, error: BaseException | None) -> None:
-    if not done.done():
-        done.set_result(error)
-
-
-_WAITERS = DaemonThreads("hicache-work-waiter")   # one per concurrent wait: a receive stuck
-# on a slow peer cannot delay noticing an unrelated collective
+# One thread per concurrent wait: a receive stuck on a slow peer cannot delay noticing an unrelated
+# collective. Daemon threads, not anyio.to_thread's workers (which are not daemons): a wait stuck
+# on a dead peer must not hold up the exit of a rank that already timed out.
+_WAITERS = DaemonThreads("hicache-work-waiter")

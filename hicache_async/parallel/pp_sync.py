@@ -25,14 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .agreement import BACKUP, DIGEST, L3_KBPS
+from .agreement import Agreement, StepMessage
 from ..errors import DivergenceError
 from .dist_wait import all_reduce, recv, wait_work
 from .topology import RankCoords
 
 SYNC_TAG = 11
 REAP_AGE_STEPS = 8
-_STORAGE = slice(BACKUP, L3_KBPS + 1)   # backup count, prefetch count and pages, L3 throughput
 
 
 @dataclass(eq=False)   # compared by identity: a tensor has no truth value
@@ -81,9 +80,10 @@ class InFlightSends:
             self.reaped += len(sends)
 
 
-class PipelineAgreement:
+class PipelineAgreement(Agreement):
     def __init__(self, coords: RankCoords, groups, timeout_s: float) -> None:
         self.coords, self.groups, self.timeout_s = coords, groups, timeout_s
+        self.ranks = coords.world_size
         self.sends = InFlightSends(dist.get_backend(groups.world) != "gloo", coords, timeout_s)
         self.agreements = 0          # steps agreed so far: the clock that send ages are told by
         self.received = 0            # messages received from the previous stage
@@ -94,43 +94,40 @@ class PipelineAgreement:
         return len(self.sends)
 
     def counts(self) -> dict[str, int]:
-        """Sends issued and reaped, messages received, extra world reductions: for reports."""
         return {"sent": self.sends.issued, "reaped": self.sends.reaped, "received": self.received,
                 "world_reductions": self.world_reductions}
 
     async def reap(self) -> None:
         await self.sends.reap(self.agreements)
 
-    async def agree(self, msg: list[int], step: int, l3_pending: bool = False) -> list[int]:
-        """The message every rank retires by; `l3_pending`: backups or prefetches are in flight."""
+    async def agree(self, msg: StepMessage, step: int, l3_pending: bool = False) -> StepMessage:
         g, c, t = self.groups, self.coords, self.timeout_s
-        own = msg[DIGEST]
+        own = msg.digest
         if l3_pending and c.pp_size > 1:
             # Every stage stores and fetches its own layers of a page: an L3 op is done when all are.
-            fields = torch.tensor(msg[_STORAGE])
+            fields = torch.tensor(msg.storage())
             await all_reduce(fields, op=dist.ReduceOp.MIN, group=g.world, coords=c, timeout_s=t,
                              what=f"storage agreement at step {step}")
-            msg[_STORAGE] = fields.tolist()
+            msg = msg.with_storage(fields.tolist())
             self.world_reductions += 1
-        tensor = torch.tensor(msg, dtype=torch.int64)
+        tensor = torch.tensor(msg.pack(), dtype=torch.int64)
         if g.is_first_stage:
             await all_reduce(tensor, op=dist.ReduceOp.MIN, group=g.agree, coords=c, timeout_s=t,
                              what=f"pp_sync all_reduce at step {step}")
-            agreed = tensor.tolist()
-            if agreed[DIGEST] != -agreed[DIGEST + 1]:
+            agreed = StepMessage.unpack(tensor.tolist())
+            if agreed.diverged:
                 await self._name_divergent(own, step)
         else:
             await recv(tensor, src=g.prev_stage, tag=SYNC_TAG, coords=c, timeout_s=t,
                        what=f"pp_sync recv from rank {g.prev_stage} at step {step}")
             self.received += 1
-            agreed = tensor.tolist()
-            upstream = agreed[DIGEST]
-            agreed[DIGEST], agreed[DIGEST + 1] = min(upstream, own), min(agreed[DIGEST + 1], -own)
-            if agreed[DIGEST] != -agreed[DIGEST + 1]:
+            upstream = StepMessage.unpack(tensor.tolist())
+            agreed = upstream.fold_digest(own)
+            if agreed.diverged:
                 raise DivergenceError(
-                    f"cache divergence at step {step}: {c.label()} digest {own:#x} != {upstream:#x} "
+                    f"cache divergence at step {step}: {c.label()} digest {own:#x} != {upstream.digest:#x} "
                     f"agreed upstream by stage {c.pp_rank - 1} (rank {g.prev_stage})")
-            tensor[DIGEST], tensor[DIGEST + 1] = agreed[DIGEST], agreed[DIGEST + 1]
+            tensor = torch.tensor(agreed.pack(), dtype=torch.int64)   # with this stage's digest
         if g.next_stage is not None:
             self.sends.add(dist.isend(tensor, dst=g.next_stage, tag=SYNC_TAG), tensor, self.agreements)
         self.agreements += 1

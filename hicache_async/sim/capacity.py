@@ -14,6 +14,7 @@ from ..config import CacheConfig
 from ..engine.replay_model import ReplayModelSpec
 from ..engine.replay_workload import ReplaySpec
 from ..errors import UsageError
+from ..storage.base import storage_backend
 from .replay import run
 from .simulate import RunArgs
 
@@ -37,9 +38,8 @@ def parse_sweep(text: str, storage: str) -> tuple[str, list[int]]:
     name, sep, values = text.partition("=")
     if name not in SWEEPABLE or not sep:
         raise UsageError(f"--sweep {text!r}: expected NAME=A,B,C with NAME one of {', '.join(SWEEPABLE)}")
-    if name == "l3-capacity" and storage != "file":
-        raise UsageError(f"--sweep {name}: the {storage} storage has no capacity to sweep "
-                         f"(only --storage file takes one)")
+    if name == "l3-capacity" and (storage == "none" or not storage_backend(storage).takes_capacity):
+        raise UsageError(f"--sweep {name}: the {storage} storage has no capacity to sweep")
     try:
         parsed = [parse_size(v) if name == "l3-capacity" else int(v) for v in values.split(",")]
     except (ValueError, UsageError):

@@ -8,11 +8,8 @@ before `launch` returns or raises.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
-import importlib
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -20,42 +17,21 @@ import signal
 import socket
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from .. import errors
 from ..errors import HiCacheError, UsageError
 from ..parallel.topology import RankCoords
-from ..parallel.groups import ParallelGroups
+from .rank_target import RankContext, error_type, one_line, run_target
+
+__all__ = ["RankContext", "die_with_parent", "launch"]  # a target gets a RankContext
 
 STOP_GRACE_S = 2.0
 LINGER_S = 10.0  # a failed rank keeps its sockets open this long so peers cannot report first
-PG_SLACK_S = 5.0  # gloo's own timeout fires after ours, so the user sees our one-line SyncTimeout
 PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class RankContext:
-    """What a target function gets: where it sits, its groups, and the run's parameters."""
-
-    coords: RankCoords
-    groups: ParallelGroups
-    run_id: str
-    payload: dict
-    timeout_s: float
-    send: Callable[[dict], None] = field(default=lambda message: None, repr=False)
-
-    def progress(self, info: dict) -> None:
-        """Forward `info` (JSON-serialisable) to launch's on_progress, tagged with this rank."""
-        self.send({"kind": "progress", "data": info})
 
 
 @dataclass
@@ -139,10 +115,7 @@ def _drain(rank: _Rank, by_conn: dict[Connection, _Rank],
         elif kind == "result":
             rank.result, rank.done = message["data"], True
         else:
-            error = getattr(errors, message["type"], None)
-            if not (isinstance(error, type) and issubclass(error, HiCacheError)):
-                error = HiCacheError
-            raise error(message["message"])
+            raise error_type(message["type"])(message["message"])
 
 
 def _stop(ranks: list[_Rank]) -> None:
@@ -207,51 +180,14 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
         conn.send_bytes(json.dumps(message).encode())
 
     try:
-        send({"kind": "result", "data": _run_rank(spec, coords, send)})
+        result = run_target(spec["target"], coords, run_id=spec["run_id"], payload=spec["payload"],
+                            timeout_s=spec["timeout_s"], send=send,
+                            join={"init_method": spec["init_method"]})
+        send({"kind": "result", "data": result})
     except Exception as exc:
-        send({"kind": "error", "type": type(exc).__name__, "message": _one_line(coords, exc)})
+        send({"kind": "error", "type": type(exc).__name__, "message": one_line(coords, exc)})
         time.sleep(LINGER_S)
         os._exit(1)
-
-
-def _run_rank(spec: dict, coords: RankCoords, send: Callable[[dict], None]) -> Any:
-    torch.set_num_threads(1)
-    target = _import_target(spec["target"])
-    dist.init_process_group(
-        "gloo", init_method=spec["init_method"], world_size=coords.world_size,
-        rank=coords.rank, timeout=timedelta(seconds=spec["timeout_s"] + PG_SLACK_S))
-    ctx = RankContext(coords, ParallelGroups.build(coords), spec["run_id"], spec["payload"],
-                      spec["timeout_s"], send)
-    result = target(ctx)
-    if inspect.iscoroutine(result):
-        result = asyncio.run(result)
-    json.dumps(result)  # fail here, on this rank, if the result cannot travel
-    dist.barrier()  # gloo's barrier also flushes this rank's pending sends before teardown
-    dist.destroy_process_group()
-    return {} if result is None else result
-
-
-def _import_target(target: str) -> Callable[[RankContext], Any]:
-    module_name, _, function_name = target.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError, ValueError):
-        raise UsageError(f"rank target {target!r} is not an importable 'module:function'") from None
-    if not callable(function):
-        raise UsageError(f"rank target {target!r} is not callable")
-    return function
-
-
-def _one_line(coords: RankCoords, exc: Exception) -> str:
-    """'{rank label}: {message}'; errors outside our hierarchy also name their class and place."""
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else ""
-    if not isinstance(exc, HiCacheError):
-        frames = traceback.extract_tb(exc.__traceback__)
-        if frames:
-            text += f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
-        text = f"{type(exc).__name__}: {text}"
-    return text if text.startswith(coords.label()) else f"{coords.label()}: {text}"
 
 
 def die_with_parent(parent_pid: int) -> None:

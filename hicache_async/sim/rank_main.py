@@ -64,8 +64,8 @@ def _kv_check(ctx, model: TinyModel, page_size: int) -> KVCheck | None:
 
 @contextlib.asynccontextmanager
 async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]:
-    """The HiCache plugin over the payload's storage and this rank's agreement; on exit the
-    plugin is closed, then the storage it used."""
+    """The HiCache plugin over the payload's storage and this rank's agreement, entered; on
+    exit the plugin is exited, then the storage it used closed."""
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
     agreement = (LocalAgreement() if ctx.coords.world_size == 1
@@ -73,22 +73,49 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
     plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
                          storage_name=storage_spec["name"] if storage_spec else "none")
     try:
-        yield plugin
+        async with plugin:
+            yield plugin
     finally:
-        await plugin.close()
         if storage is not None:     # may wait for a call stuck in a dead backend: off the loop
             await anyio.to_thread.run_sync(storage.close)
 
 
-def progress_reporter(ctx) -> Callable[[Request], None]:
-    """The scheduler's on_finish: rank 0 reports the running count of finished requests."""
-    done = [0]
+PROGRESS_EVERY_S = 0.1
 
-    def progress(_req: Request) -> None:
-        done[0] += 1
-        if ctx.coords.rank == 0:
-            ctx.progress({"requests_done": done[0]})
-    return progress
+
+async def serve_with_progress(ctx, serve: Callable[[Callable[[Request], None]], Awaitable[None]]) -> None:
+    """`await serve(on_finish)`, the rank's scheduler loop, while rank 0 reports its count of
+    finished requests at most every PROGRESS_EVERY_S (a pipe write or a progress bar: kept off
+    the per-request path). Both run in one task group, so the reporter ends with the loop; an
+    error from the loop propagates as it was, not wrapped in an exception group."""
+    done = sent = 0
+
+    def on_finish(_req: Request) -> None:
+        nonlocal done
+        done += 1
+
+    def flush() -> None:
+        nonlocal sent
+        if done != sent and ctx.coords.rank == 0:
+            sent = done
+            ctx.progress({"requests_done": done})
+
+    async def report() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_EVERY_S)
+            flush()
+
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(report)
+        try:
+            await serve(on_finish)
+        except Exception as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    flush()
 
 
 async def _run(ctx) -> dict:
@@ -102,7 +129,7 @@ async def _run(ctx) -> dict:
         workload = Workload(spec)
         log.debug("rank started: %s, storage %s, key scheme %s", model_cfg.attention,
                   plugin.storage_name, cache_cfg.key_scheme)
-        await scheduler.run(workload, progress_reporter(ctx))
+        await serve_with_progress(ctx, lambda on_finish: scheduler.run(workload, on_finish))
     report = plugin.report()
     log.debug("rank finished: %d steps, tokens l1 %d l2 %d l3 %d computed %d, storage errors %d",
              report["steps"], report["tokens_from_l1"], report["tokens_from_l2"],

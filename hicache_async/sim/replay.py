@@ -3,21 +3,17 @@ replay engine across simulated ranks, every reused page verified, beside an unbo
 oracle computed here from the trace alone."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
 import os
-import shutil
 import sys
-import tempfile
 
 from ..config import CacheConfig
 from ..engine.replay_model import ReplayModelSpec
 from ..engine.replay_trace import read_trace
 from ..engine.replay_workload import ReplaySpec
 from ..errors import UsageError
+from . import torchrun
 from .oracle import unbounded_oracle
-from ..storage.file import FileStorage
 from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
 from ..parallel.topology import check_topology
 
@@ -27,6 +23,7 @@ TIER_NAMES = tuple(zip(TOKEN_FIELDS, ("L1 device", "L2 host", "L3 storage", "com
 def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelSpec = ReplayModelSpec()) -> dict:
     trace = read_trace(spec.trace, cache.page_size, spec.limit)
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads, attention="mha")
+    torchrun.check_world(args.tp, args.pp, args.cp)
     biggest = max(trace, key=lambda r: r.input_length + spec.max_new(r))
     need = -(-(biggest.input_length + spec.max_new(biggest) - 1) // cache.page_size)
     if need > cache.device_pages:
@@ -34,7 +31,7 @@ def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelS
                          f"{biggest.line} ({biggest.input_length} prompt + {spec.max_new(biggest)} output "
                          f"tokens need {need} pages of {cache.page_size})")
     oracle = unbounded_oracle(trace, cache.page_size, spec.seed)
-    with _cold_storage(args) as storage:
+    with storage_spec(args, cold=True) as storage:   # a trace is measured from an empty L3
         payload = {"cache": dataclasses.asdict(cache), "replay": spec.to_dict(),
                    "model": dataclasses.asdict(model), "storage": storage}
         reports, run_id, seconds = launch_ranks(args, "hicache_async.sim.replay_rank:run_rank", payload,
@@ -55,32 +52,6 @@ def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelS
     })
     out["admission_us_p50"], out["admission_us_p99"] = p50_p99([us for r in reports for us in r["admission_us"]])
     return out
-
-
-@contextlib.contextmanager
-def _cold_storage(args: RunArgs):
-    """File storage without --storage-path lives in a fresh temporary directory, so a replay
-    measures the trace from a cold L3 (and leaves no gigabytes behind); a named path is used
-    as is, warm from earlier runs."""
-    if args.storage != "file" or args.storage_path:
-        with storage_spec(args) as spec:
-            yield spec
-        return
-    with tempfile.TemporaryDirectory(prefix="hicache-replay-l3-", dir=_scratch_dir(args)) as path:
-        with storage_spec(dataclasses.replace(args, storage_path=path)) as spec:
-            yield spec
-
-
-def _scratch_dir(args: RunArgs) -> str | None:
-    """/dev/shm when $TMPDIR is unset and it has room for the whole L3 capacity, else the
-    default temporary directory. A trace leaves hundreds of thousands of one-off objects:
-    in RAM they cost no disk writes and are deleted in seconds, where a disk mounted with
-    `discard` takes minutes."""
-    capacity = args.l3_capacity or inspect.signature(FileStorage).parameters["capacity_bytes"].default
-    shm = "/dev/shm"
-    if os.environ.get("TMPDIR") or not os.access(shm, os.W_OK):
-        return None
-    return shm if shutil.disk_usage(shm).free >= capacity else None
 
 
 def print_summary(result: dict, file=None) -> None:

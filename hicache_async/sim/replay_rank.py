@@ -13,7 +13,7 @@ from ..engine.replay_trace import read_trace
 from ..engine.replay_workload import ReplaySpec, ReplayWorkload
 from ..engine.virtual_clock import VirtualClock
 from ..api import KVPlugin
-from .rank_main import hicache_plugin, progress_reporter, with_telemetry
+from .rank_main import hicache_plugin, serve_with_progress, with_telemetry
 from ..request import Request
 
 
@@ -29,7 +29,7 @@ class TimedAdmission:
         self.us = array("d")
 
     def admit(self, req: Request) -> bool:
-        if req.prefetch is not None:
+        if self._plugin.fetching(req):
             return self._plugin.admit(req)
         start = time.perf_counter()
         admitted = self._plugin.admit(req)
@@ -57,7 +57,7 @@ async def _replay(ctx) -> dict:
         timed = TimedAdmission(plugin)
         scheduler = ReplayScheduler(model, timed, device_pages=cache_cfg.device_pages, page_size=ps,
                                     run_id=ctx.run_id, witness=check)
-        await scheduler.run(workload, progress_reporter(ctx))
+        await serve_with_progress(ctx, lambda on_finish: scheduler.run(workload, on_finish))
     report = plugin.report()
     report.update(check.report())
     report["admission_us"] = timed.us.tolist()

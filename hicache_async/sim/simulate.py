@@ -9,18 +9,20 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from ..config import CacheConfig
 from ..engine.model import ModelConfig
 from ..engine.workload import WorkloadSpec
-from ..errors import HiCacheError, StorageError, UsageError
+from ..errors import StorageError, UsageError
+from . import torchrun
 from .launcher import launch
 from .rank_main import payload_of
 from .reference import reference_run
 from ..parallel.topology import check_topology
+from ..storage.base import DEFAULT_STORAGE, storage_backend
 from ..telemetry.trace_file import merge_trace_files, part_path
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
@@ -34,11 +36,9 @@ class RunArgs:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    storage: str = "file"
-    storage_path: str | None = None
-    l3_capacity: int | None = None     # bytes; only adapters with a capacity take it
-    mooncake_master: str | None = None
-    mooncake_metadata: str | None = None
+    storage: str = DEFAULT_STORAGE
+    storage_options: dict = field(default_factory=dict)   # the backend's own flags, by dest
+    l3_capacity: int | None = None     # bytes; only backends that take a capacity
     seed: int = 0
     timeout_s: float = 60.0
     trace_file: str | None = None
@@ -52,33 +52,32 @@ class SimulateArgs(RunArgs):
     requests: int = 48
 
 
-def default_storage_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hicache-async", "kv")
-
-
 def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
                    attention=model.attention, q_heads=model.q_heads)
+    torchrun.check_world(args.tp, args.pp, args.cp)
     if cache.page_size > spec.system_len:
         raise UsageError(f"--page-size {cache.page_size} exceeds the shortest prompt ({spec.system_len} "
                          f"tokens): few pages would ever fill, so little could be cached")
     if spec.max_prompt() // cache.page_size + 1 > cache.device_pages:
         raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
                          f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
-    reference, recorder = reference_run(model, spec, cache.page_size)
     with storage_spec(args) as storage, tempfile.TemporaryDirectory(prefix="hicache-kv-") as kv_dir:
+        reference, recorder = reference_run(model, spec, cache.page_size)   # after storage: fail fast
         payload = payload_of(model, cache, spec, storage)
         payload["kv_reference"] = os.path.join(kv_dir, "reference")
         recorder.save(payload["kv_reference"])
         reports, run_id, cached_s = launch_ranks(args, "hicache_async.sim.rank_main:run_rank", payload,
-                                                 spec.requests, "simulate")
+                                                 spec.requests, "simulate", scratch=kv_dir)
     return summarize(args, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
 
 
-def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str) -> tuple[list[dict], str, float]:
+def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str,
+                 scratch: str | None = None) -> tuple[list[dict], str, float]:
     """Run `target` on every rank with a progress bar over `requests`; (reports, run id, seconds).
 
+    Our launcher starts the ranks, or, under torchrun, this process is rank 0 of those it
+    started; `scratch` is a directory the payload names files in, sent to every rank.
     Adds the telemetry settings to `payload` and merges the ranks' span files afterwards.
     """
     payload = {**payload, "trace_file": args.trace_file, "log_json": args.log_json}
@@ -86,9 +85,9 @@ def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: 
     started = time.perf_counter()
     with tqdm(total=requests, desc=f"{job} tp{args.tp} pp{args.pp} cp{args.cp}",
               unit="req", file=sys.stderr, disable=None) as bar:
-        reports = launch(tp=args.tp, pp=args.pp, cp=args.cp, target=target, payload=payload,
-                         timeout_s=args.timeout_s, run_id=run_id,
-                         on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
+        ranks = dict(tp=args.tp, pp=args.pp, cp=args.cp, target=target, payload=payload, run_id=run_id,
+                     timeout_s=args.timeout_s, on_progress=lambda info: bar.update(info["requests_done"] - bar.n))
+        reports = torchrun.lead(**ranks, scratch=scratch) if torchrun.environment() else launch(**ranks)
     seconds = time.perf_counter() - started
     if args.trace_file:
         world = args.tp * args.pp * args.cp
@@ -97,47 +96,27 @@ def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: 
 
 
 @contextlib.contextmanager
-def storage_spec(args: RunArgs):
-    """The storage spec every rank opens.
-
-    Mooncake without `--mooncake-master` starts a master and its segment holder for this run
-    only; with it, objects live in that master's holder and outlive the run.
-    """
-    if args.l3_capacity is not None and args.storage != "file":
-        raise UsageError(f"--l3-capacity {args.l3_capacity} needs --storage file: the {args.storage} "
-                         f"storage takes no capacity")
-    if args.storage == "none":
+def storage_spec(args: RunArgs, cold: bool = False):
+    """The storage every rank opens ({"name", "options"}, or None for no L3), set up once for
+    the run by the backend's own session (`StorageAdapter.open_session`). `cold`: the run
+    wants an L3 that starts empty unless the backend's options name a shared one."""
+    backend = None if args.storage == "none" else storage_backend(args.storage)
+    if args.l3_capacity is not None and not (backend and backend.takes_capacity):
+        raise UsageError(f"--l3-capacity {args.l3_capacity}: the {args.storage} storage has no capacity "
+                         f"to bound")
+    if backend is None:
         yield None
-    elif args.storage == "memory":
-        yield {"name": "memory", "options": {}}
-    elif args.storage == "file":
-        options = {"path": args.storage_path or default_storage_path()}
-        if args.l3_capacity is not None:
-            options["capacity_bytes"] = args.l3_capacity
-        yield {"name": "file", "options": options}
-    elif args.storage == "mooncake":
+        return
+    with contextlib.ExitStack() as stack:
         try:
-            from hicache_mooncake.master import MooncakeMaster, check_reachable, default_metadata_url
-        except ImportError as exc:
-            raise HiCacheError(f"--storage mooncake needs the mooncake extra: {exc}") from None
-        if args.mooncake_master:
-            metadata_url = args.mooncake_metadata or default_metadata_url(args.mooncake_master)
-            try:
-                check_reachable(args.mooncake_master, metadata_url)  # one clear error, before any rank
-            except StorageError as exc:
-                if not args.storage_optional:
-                    raise
-                print(f"hicache-async: warning: {exc}; running on L1/L2 only (--storage-optional)",
-                      file=sys.stderr)
-                yield None
-                return
-            yield {"name": "mooncake", "options": {"master": args.mooncake_master, "metadata_url": metadata_url}}
-            return
-        with MooncakeMaster() as master:
-            yield {"name": "mooncake", "options": {"master": master.address,
-                                                    "metadata_url": master.metadata_url}}
-    else:   # an installed third-party backend, opened with its defaults
-        yield {"name": args.storage, "options": {}}
+            options = stack.enter_context(backend.open_session(
+                args.storage_options, capacity_bytes=args.l3_capacity, cold=cold))
+        except StorageError as exc:
+            if not args.storage_optional:
+                raise
+            print(f"hicache-async: warning: {exc}; running on L1/L2 only (--storage-optional)", file=sys.stderr)
+            options = None
+        yield None if options is None else {"name": args.storage, "options": options}
 
 
 def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,

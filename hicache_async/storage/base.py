@@ -5,14 +5,17 @@ one batch call, so a network backend pays one round trip per batch, not per page
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
+from typing import ClassVar
 
 from ..errors import UsageError
 
 ENTRY_POINT_GROUP = "hicache_async.storage"
+DEFAULT_STORAGE = "file"  # embedded: needs no server, and L3 outlives the run
 MISSING = -1     # batch_get: the object is absent (or the read failed)
 WRONG_SIZE = -2  # batch_get: the object is present but its size differs from the buffer's
 
@@ -41,8 +44,36 @@ def run_abandonable(abandoned: threading.Event, call: Callable[[], object]) -> o
 class StorageAdapter(ABC):
     """An L3 backend. An outage raises `StorageError` with a one-line message.
 
-    Methods may be called from several threads at once.
+    Methods may be called from several threads at once. The class-level hooks (`add_options`,
+    `open_session`, `takes_capacity`) let a backend own its setup, so the CLI and the launcher
+    hold no backend's name: an installed backend brings its own flags and its own servers.
     """
+
+    takes_capacity: ClassVar[bool] = False
+    """Whether `open_session` honours `capacity_bytes` (`--l3-capacity`)."""
+
+    @classmethod
+    def add_options(cls, group) -> None:
+        """Add this backend's own command-line flags with `group.add_argument` (argparse's).
+
+        Name them for the backend (`--mooncake-master`); their values reach `open_session`
+        by dest, and the CLI refuses one given while another backend is chosen.
+        """
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_session(cls, options: dict, *, capacity_bytes: int | None = None,
+                     cold: bool = False) -> Iterator[dict]:
+        """Set up one run, once, in the process that launches its ranks; yield the keyword
+        arguments every rank constructs the adapter with.
+
+        `options` are this backend's flags by dest (None where not given). What it yields must
+        be plain JSON (it crosses processes); what it starts (a server, a scratch directory) it
+        stops on exit. `cold` asks for an L3 that starts empty unless the options name a shared
+        one. An unreachable backend raises `StorageError` (a run with `--storage-optional` then
+        goes on without L3); bad options raise `UsageError`. By default: the flags given, as is.
+        """
+        yield {k: v for k, v in options.items() if v is not None}
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
@@ -119,10 +150,18 @@ def storage_names() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
-def open_storage(name: str, **options) -> StorageAdapter:
-    """The adapter registered under `name` in the `hicache_async.storage` entry points."""
+def storage_backend(name: str) -> type[StorageAdapter]:
+    """The adapter class registered under `name` in the `hicache_async.storage` entry points."""
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in found:
         known = ", ".join(sorted(found)) or "none"
         raise UsageError(f"unknown storage {name!r}: known backends are {known}")
-    return found[name].load()(**options)
+    try:
+        return found[name].load()
+    except ImportError as exc:
+        raise UsageError(f"storage {name!r} cannot be loaded: {exc}") from None
+
+
+def open_storage(name: str, **options) -> StorageAdapter:
+    """The adapter registered under `name`, constructed with `options` (a session's yield)."""
+    return storage_backend(name)(**options)

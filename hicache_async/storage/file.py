@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import StorageError
+from . import file_session
 from .base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -28,6 +29,7 @@ _MAX_NAME = 200
 _LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
 _STALE_TEMP_S = 3600
 TOUCH_S = 1.0          # a read bumps an object's mtime only when it is older than this
+DEFAULT_CAPACITY = 8 << 30
 
 
 def object_name(key: str) -> str:
@@ -46,7 +48,14 @@ def object_name(key: str) -> str:
 
 
 class FileStorage(StorageAdapter):
-    def __init__(self, path: str, capacity_bytes: int = 8 << 30, **_options) -> None:
+    takes_capacity = True
+    add_options = staticmethod(file_session.add_options)
+
+    @classmethod
+    def open_session(cls, options: dict, *, capacity_bytes: int | None = None, cold: bool = False):
+        return file_session.open_session(options, capacity_bytes, cold, DEFAULT_CAPACITY)
+
+    def __init__(self, path: str, capacity_bytes: int = DEFAULT_CAPACITY, **_options) -> None:
         if capacity_bytes <= 0:
             raise StorageError(f"file storage capacity must be positive, got {capacity_bytes}")
         self.root = Path(path).expanduser()
@@ -64,7 +73,7 @@ class FileStorage(StorageAdapter):
 
     def _path(self, key: str) -> str:
         name = object_name(key)
-        return os.path.join(self._root, name[:2], name)
+        return f"{self._root}/{name[:2]}/{name}"
 
     def _scan(self, remove_stale: bool = False) -> tuple[list[tuple[float, int, str]], int]:
         """(mtime, size, path) of every object, oldest first, and their total size."""
@@ -152,22 +161,23 @@ class FileStorage(StorageAdapter):
         return True
 
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
-        return [self._read(key, [memoryview(b).cast("B")], exact=False) for key, b in zip(keys, buffers)]
+        stale = time.time() - TOUCH_S
+        return [self._read(key, self._path(key), [memoryview(b).cast("B")], False, stale)
+                for key, b in zip(keys, buffers)]
 
     def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
-        out = []
-        for i, (key, ps) in enumerate(zip(keys, parts)):
-            out.append(self._read(key, [memoryview(p).cast("B") for p in ps], exact=True))
+        paths, out, stale = [self._path(key) for key in keys], [], time.time() - TOUCH_S
+        for i, (key, path, ps) in enumerate(zip(keys, paths, parts)):
+            out.append(self._read(key, path, ps, True, stale))
             if landed is not None:
                 landed(i, out[-1:])
         return out
 
-    def _read(self, key: str, parts: list[memoryview], exact: bool) -> int:
+    def _read(self, key: str, path: str, parts: Sequence[memoryview], exact: bool, stale: float) -> int:
+        """One object in one `readv` straight into `parts`; touched when last used before `stale`."""
         if call_abandoned():      # the caller has moved on: its buffers are not ours to fill
             return MISSING
-        path = self._path(key)
-        room = sum(p.nbytes for p in parts)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -176,18 +186,16 @@ class FileStorage(StorageAdapter):
             raise StorageError(f"file storage {self.root}: cannot open {key}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
+            room = sum(p.nbytes for p in parts)
             if st.st_size > room or (exact and st.st_size != room):
                 return WRONG_SIZE
             got = os.readv(fd, parts)
+            if st.st_mtime < stale:
+                _touch(fd)
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot read {key}: {e.strerror}") from None
         finally:
             os.close(fd)
-        if time.time() - st.st_mtime > TOUCH_S:
-            try:
-                os.utime(path)  # recency for LRU eviction
-            except OSError:
-                pass
         return got if got == st.st_size else WRONG_SIZE
 
     def close(self) -> None:
@@ -204,6 +212,14 @@ def _write_at(fd: int, parts: list[memoryview], offset: int) -> None:
             parts = parts[1:]
         if parts:
             parts[0] = parts[0][done:]
+
+
+def _touch(fd: int) -> None:
+    """Bump the object's mtime, its recency for LRU eviction, through the open descriptor."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass
 
 
 def _unlink(path) -> None:

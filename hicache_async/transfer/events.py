@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 
+import anyio
 import torch
 
 from ..errors import SyncTimeout
@@ -32,15 +33,20 @@ class CompletionEvent:
         """Await completion without blocking the loop; raise SyncTimeout naming `what`."""
         if self.query():
             return
+        try:
+            with anyio.fail_after(timeout_s):
+                await self._poll()
+        except TimeoutError:
+            raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
+
+    async def _poll(self) -> None:
+        """Bare yields at first, then sleeps that double up to a millisecond."""
         start = time.perf_counter()
         delay = 0.0
         while not self.query():
-            waited = time.perf_counter() - start
-            if waited > timeout_s:
-                raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s")
-            if waited > _SPIN_S:
+            if time.perf_counter() - start > _SPIN_S:
                 delay = min(_MAX_SLEEP_S, max(delay * 2, 5e-5))
-            await asyncio.sleep(delay)
+            await anyio.sleep(delay)
 
 
 class HostEvent(CompletionEvent):
@@ -54,7 +60,7 @@ class HostEvent(CompletionEvent):
     def __init__(self) -> None:
         self._flag = threading.Event()
         self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, anyio.Event]] = []
         self.error: BaseException | None = None
         self.set_at: float | None = None    # perf_counter when the work finished: for throughput
 
@@ -68,31 +74,32 @@ class HostEvent(CompletionEvent):
         with self._lock:
             self._flag.set()
             waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
+        for loop, woken in waiters:
             try:
-                loop.call_soon_threadsafe(_resolve, future)
+                loop.call_soon_threadsafe(woken.set)
             except RuntimeError:     # that loop has closed: its waiter is gone
                 pass
 
     def query(self) -> bool:
         return self._flag.is_set()
 
-    async def wait(self, timeout_s: float, what: str) -> None:
-        loop = asyncio.get_running_loop()
+    def subscribe(self, woken: anyio.Event) -> bool:
+        """Have set() wake `woken` on the running loop; False (and nothing kept) if already set."""
         with self._lock:
             if self._flag.is_set():
-                return
-            future = loop.create_future()
-            self._waiters.append((loop, future))
+                return False
+            self._waiters.append((asyncio.get_running_loop(), woken))
+            return True
+
+    async def wait(self, timeout_s: float, what: str) -> None:
+        woken = anyio.Event()
+        if not self.subscribe(woken):
+            return
         try:
-            await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+            with anyio.fail_after(timeout_s):
+                await woken.wait()
+        except TimeoutError:
             raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class CudaEvent(CompletionEvent):
@@ -113,15 +120,12 @@ async def first_completion(events: list[CompletionEvent], timeout_s: float) -> N
     caller checks what completed. Host events wake it; others are polled at most every ms."""
     if not events or any(e.query() for e in events):
         return
-    host = [e for e in events if isinstance(e, HostEvent)]
-    if len(host) < len(events):     # a device event cannot wake us: poll, as CompletionEvent does
-        end = time.perf_counter() + timeout_s
-        while not any(e.query() for e in events) and time.perf_counter() < end:
-            await asyncio.sleep(_MAX_SLEEP_S)
-        return
-    waits = [asyncio.ensure_future(e.wait(timeout_s + 1.0, "first completion")) for e in host]
-    done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    for w in pending:
-        w.cancel()
-    for w in done:
-        w.exception()   # retrieved, so a late timeout is never reported as unhandled
+    with anyio.move_on_after(timeout_s):
+        if not all(isinstance(e, HostEvent) for e in events):
+            # a device event cannot wake us: poll, as CompletionEvent does
+            while not any(e.query() for e in events):
+                await anyio.sleep(_MAX_SLEEP_S)
+            return
+        woken = anyio.Event()
+        if all(e.subscribe(woken) for e in events):
+            await woken.wait()

@@ -31,7 +31,7 @@ from ..layout import KVLayout
 from ..partition import cp_page_slice
 from .pool import HostPool, tensor_bytes
 from ..storage.base import MISSING, StorageAdapter
-from .objects import HEADER_BYTES, CorruptObject, encode_header, verify
+from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
 from .checksums import Ahead, Behind
 from ..parallel.topology import RankCoords
 
@@ -98,13 +98,17 @@ class PageStore:
             return self._registered[host.tensor.data_ptr()][1]
 
     @staticmethod
-    def _whole_page(host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | None:
-        """The object's bytes in place when it is a whole host page (every layer and head this
-        rank holds), else None: a slice of one view, far cheaper than a tensor view per object."""
-        if len(spec.layers) != host.tensor.shape[1] or len(spec.heads) != host.tensor.shape[4]:
-            return None
-        size = host.layout.page_bytes
-        return pool[page * size:(page + 1) * size]
+    def _whole_pages(host: HostPool, pool: memoryview):
+        """A function giving an object's bytes in place when it is a whole host page (every layer
+        and head this rank holds), else None: a slice of one view, far cheaper than a tensor
+        view per object."""
+        size, layers, heads = host.layout.page_bytes, host.tensor.shape[1], host.tensor.shape[4]
+
+        def whole(page: int, spec: ObjectSpec) -> memoryview | None:
+            if len(spec.layers) != layers or len(spec.heads) != heads:
+                return None
+            return pool[page * size:(page + 1) * size]
+        return whole
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
@@ -130,11 +134,11 @@ class PageStore:
         mine = self._write_pages(page_hashes)
         if not mine:
             return result
-        pool = self._register(host)
+        whole = self._whole_pages(host, self._register(host))
         jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
         for i in mine:
             for spec in self.keys.objects(page_hashes[i]):
-                payload = self._whole_page(host, pool, host_pages[i], spec)
+                payload = whole(host_pages[i], spec)
                 if payload is None or self.fault == "corrupt-stored":
                     copies.append(self._slot(host, host_pages[i], spec).contiguous())
                     if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
@@ -194,53 +198,56 @@ class PageStore:
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, pool: memoryview,
                     host_pages: list[int], result: PrefetchResult) -> int:
-        """Read a run of pages in one call, verified as it lands; the number of leading good pages."""
+        """Read a run of pages in one call, each object checked as it lands; the number of
+        leading good pages. What an object is checked against (its size, its header up to the
+        checksum) is worked out before the call, so what runs per object while the bytes stream
+        in, evicting everything else from cache, is one checksum and one compare."""
         per_page = len(specs[0])
         headers = memoryview(bytearray(HEADER_BYTES * per_page * len(specs)))
-        keys, parts, jobs = [], [], []   # jobs: (spec, (slot, staging) when read out of place)
+        whole = self._whole_pages(host, pool)
+        keys, parts, staged, prefixes = [], [], [], []   # staged: (slot, staging) when read out of place
         for page, page_specs in zip(host_pages, specs):
             for spec in page_specs:
-                data, staged = self._whole_page(host, pool, page, spec), None
+                data, out_of_place = whole(page, spec), None
                 if data is None:
                     slot = self._slot(host, page, spec)
                     target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
-                    data, staged = tensor_bytes(target), (slot, target) if target is not slot else None
-                header = headers[HEADER_BYTES * len(keys):HEADER_BYTES * (len(keys) + 1)]
+                    data, out_of_place = tensor_bytes(target), (slot, target) if target is not slot else None
+                at = HEADER_BYTES * len(keys)
                 keys.append(spec.key)
-                parts.append([header, data])
-                jobs.append((spec, staged))
-        behind = Behind([HEADER_BYTES + p[1].nbytes for p in parts],
-                        lambda r, got: self._check(got, parts[r.start:r.stop], jobs[r.start:r.stop]))
+                parts.append((headers[at:at + HEADER_BYTES], data))
+                staged.append(out_of_place)
+                prefixes.append(expected_prefix(spec.key, spec, self.namespace, data.nbytes))
+        sizes = [HEADER_BYTES + data.nbytes for _, data in parts]
+        behind = Behind(sizes, lambda group, got: _check(group, got, sizes, prefixes, parts, staged))
         try:
             outcomes = behind.finish(self.adapter.batch_get_parts(keys, parts, landed=behind.landed))
         except StorageError:
             behind.finish(None)   # nothing of this call may still write into the host pages
             result.errors += 1
             return 0
-        sizes: list[int] = []  # bytes of each leading verified object
+        good_sizes: list[int] = []  # bytes of each leading verified object
         for group_sizes, end in outcomes:
-            sizes += group_sizes
+            good_sizes += group_sizes
             if end is not None:
                 result.corrupt += end == "corrupt"
-                result.missing += end == "missing" and len(sizes) % per_page != 0
+                result.missing += end == "missing" and len(good_sizes) % per_page != 0
                 break
-        good = len(sizes) // per_page
-        result.bytes += sum(sizes[:good * per_page])
+        good = len(good_sizes) // per_page
+        result.bytes += sum(good_sizes[:good * per_page])
         return good
 
-    def _check(self, got: list[int], parts, jobs) -> tuple[list[int], str | None]:
-        """Sizes of the leading verified objects of a run, and what ended it early (None: nothing)."""
-        sizes = []
-        for n, (header, data), (spec, staged) in zip(got, parts, jobs):
-            if n == MISSING:
-                return sizes, "missing"
-            try:
-                if n != HEADER_BYTES + data.nbytes:
-                    raise CorruptObject(f"object {spec.key}: read {n} bytes")
-                verify(spec.key, spec, self.namespace, header, data)
-            except CorruptObject:
-                return sizes, "corrupt"
-            if staged is not None:
-                staged[0].copy_(staged[1])
-            sizes.append(n)
-        return sizes, None
+
+def _check(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[tuple],
+           staged: list) -> tuple[list[int], str | None]:
+    """Sizes of the leading intact objects of a group, and what ended it early (None: nothing)."""
+    ok = []
+    for i, n in zip(group, got):
+        if n == MISSING:
+            return ok, "missing"
+        if n != sizes[i] or not intact(parts[i][0], prefixes[i], parts[i][1]):
+            return ok, "corrupt"
+        if staged[i] is not None:
+            staged[i][0].copy_(staged[i][1])
+        ok.append(n)
+    return ok, None

@@ -14,29 +14,24 @@ costs a master round trip and there is nothing to overlap. A put first asks whic
 are already stored (one RPC): a put of a stored key reports plain success (not -705) without
 moving anything, and the caller checksums and counts only what is really written.
 
-Objects live in a segment some client mounts. A rank client mounts none by default
-(`segment_bytes=0`): its puts land in the segment holder started beside the master (see
-`holder.py`), so they outlive the rank. Give it `segment_bytes` only against a master with
-no holder, knowing those objects go when the client closes.
+The connection, its setup and close are `client.py`'s; the backend's flags and per-run master
+are `session.py`'s.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
-from hicache_async.errors import StorageError, UsageError
+from hicache_async.errors import StorageError
 from hicache_async.transfer import checksums
-from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
+from hicache_async.storage.base import MISSING, WRONG_SIZE, call_abandoned
 
-from .master import check_reachable, default_metadata_url
+from .client import MooncakeClient, in_call
 
-log = logging.getLogger(__name__)
-CLOSE_WAIT_S = 5.0   # how long close waits for calls still inside the client (a hung one)
+if TYPE_CHECKING:
+    import torch
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
@@ -64,23 +59,6 @@ def _runs(sizes: list[int], small_tail: bool) -> list[range]:
     return runs
 
 
-def _in_call(method):
-    """Counts a call while it is inside the client, so that `close` never frees it underneath."""
-    @functools.wraps(method)
-    def counted(self, *args, **kwargs):
-        with self._calls:
-            if self._closed:
-                raise StorageError("mooncake storage is closed")
-            self._in_flight += 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            with self._calls:
-                self._in_flight -= 1
-                self._calls.notify_all()
-    return counted
-
-
 def _address(view: memoryview) -> int | None:
     """Address of a writable buffer, or None for read-only memory (which must be staged)."""
     if view.readonly:
@@ -88,31 +66,10 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class MooncakeStorage(StorageAdapter):
-    def __init__(self, master: str = "127.0.0.1:50051", metadata_url: str | None = None,
-                 segment_bytes: int = 0, buffer_bytes: int = 64 << 20,
-                 local_hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 connect_timeout_s: float = 3.0, **_options) -> None:
-        self.master = master
-        self.metadata_url = metadata_url or default_metadata_url(master)
-        # setup() retries for ~90 s against a dead master; probe first so that fails fast.
-        check_reachable(master, self.metadata_url, connect_timeout_s)
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError:
-            raise UsageError("storage 'mooncake' needs the mooncake extra: "
-                             "pip install 'hicache-async[mooncake]'") from None
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local_hostname, self.metadata_url, segment_bytes, buffer_bytes,
-                               protocol, device_name, master)
-        if rc != 0:
-            raise StorageError(f"mooncake setup against master {master} failed with code {rc}")
-        self._regions: list[tuple[int, int]] = []
-        self._lock = threading.Lock()
+class MooncakeStorage(MooncakeClient):
+    def __init__(self, *args, **options) -> None:
+        super().__init__(*args, **options)
         self._staging_bufs: dict[int, torch.Tensor] = {}  # by thread id
-        self._closed = False
-        self._calls = threading.Condition()
-        self._in_flight = 0
 
     # -- memory --------------------------------------------------------------------------
 
@@ -144,6 +101,8 @@ class MooncakeStorage(StorageAdapter):
             self._store.unregister_buffer(old.data_ptr())
             with self._lock:
                 self._regions.remove((old.data_ptr(), old.data_ptr() + old.numel()))
+        import torch    # here, not at the top: `--help` loads this class for its flags
+
         buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
         self._pin(buf.data_ptr(), buf.numel())
         self._staging_bufs[me] = buf
@@ -175,7 +134,7 @@ class MooncakeStorage(StorageAdapter):
         if RPC_FAIL in codes:
             raise StorageError(f"mooncake {op} failed: master {self.master} unreachable (code {RPC_FAIL})")
 
-    @_in_call
+    @in_call
     def batch_exists(self, keys: list[str]) -> int:
         if not keys:
             return 0
@@ -190,7 +149,7 @@ class MooncakeStorage(StorageAdapter):
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[memoryview(v)] for v in values])
 
-    @_in_call
+    @in_call
     def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         ready: Callable[[int], None] | None = None) -> list[bool]:
         if not keys:
@@ -217,7 +176,7 @@ class MooncakeStorage(StorageAdapter):
                 out[i] = code == 0 or code == OBJECT_ALREADY_EXISTS
         return out
 
-    @_in_call
+    @in_call
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         if not keys:
             return []
@@ -227,7 +186,7 @@ class MooncakeStorage(StorageAdapter):
         self._unstage(staged, base)
         return [self._get_result(k, c) for k, c in zip(keys, codes)]
 
-    @_in_call
+    @in_call
     def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
         out: list[int] = []
@@ -257,18 +216,3 @@ class MooncakeStorage(StorageAdapter):
         if code in SIZE_MISMATCH and self._store.get_size(key) >= 0:
             return WRONG_SIZE
         return MISSING
-
-    def close(self) -> None:
-        """Close the client once no call is inside it: freeing it under a call abandoned by
-        its deadline (a dead master) would crash the process."""
-        with self._calls:
-            if self._closed:
-                return
-            self._closed = True
-            if not self._calls.wait_for(lambda: self._in_flight == 0, CLOSE_WAIT_S):
-                log.warning("mooncake storage: %d calls still inside the client after %g s; it is "
-                            "left to process exit", self._in_flight, CLOSE_WAIT_S)
-                return
-        for start, _ in self._regions:
-            self._store.unregister_buffer(start)
-        self._store.close()

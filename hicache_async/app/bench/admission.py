@@ -6,6 +6,7 @@ one in the same run.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ...hicache.cache import TieredCache
@@ -31,13 +32,14 @@ class _Workload:
     def __init__(self, pages: int) -> None:
         cfg = CacheConfig(device_pages=pages, host_pages=HOST_PAGES, page_size=PAGE, write_policy="write_back")
         self.cache = TieredCache(cfg, DevicePool(LAYOUT, pages), HostPool(LAYOUT, HOST_PAGES))
+        self.loop = asyncio.new_event_loop()     # retirement is awaited, as in `on_step`
         self.next_token = GROUPS * SHARED * PAGE
         self.requests = 0
-        alloc = self.cache.device.alloc
-        while alloc.free >= SHARED + UNIQUE:       # filling needs no eviction: fast at any size
+        self.steps = 0
+        for _ in range((pages - GROUPS * SHARED) // UNIQUE):   # fill without eviction: fast at any size
             tokens = self._tokens()
-            pages = alloc.alloc(len(tokens) // PAGE)
-            alloc.release(self.cache.insert(tokens, pages, HASHES))
+            admitted = self.cache.admit(self.cache.match(tokens), len(tokens) // PAGE, self.requests)
+            self.cache.finish(tokens, admitted.pages, HASHES, admitted.lock)
 
     def _tokens(self) -> list[int]:
         g = self.requests % GROUPS
@@ -48,22 +50,19 @@ class _Workload:
     def admit(self) -> None:
         """What `HiCachePlugin.admit` and `finish` ask of the cache for one request."""
         cache, tokens = self.cache, self._tokens()
-        match = cache.match(tokens)
-        with cache.holding(match.last_node):
-            fresh = cache.alloc_device(len(tokens) // PAGE - len(match.device_pages))
-        if fresh is None:
+        admitted = cache.admit(cache.match(tokens), len(tokens) // PAGE, self.requests)
+        if admitted is None:
             raise RuntimeError("admission bench: nothing evictable")
-        cache.device.alloc.release(cache.insert(tokens, match.device_pages + fresh, HASHES))
+        cache.finish(tokens, admitted.pages, HASHES, admitted.lock)
 
     def step(self) -> None:
         """Retire every write, as `on_step` would: written nodes become evictable again."""
-        writes = self.cache.writes
-        if len(writes):
-            last = list(writes)[-1].done
-            while not last.query():       # one FIFO copy worker: the last done means all done
+        pending = len(self.cache.writes)
+        if pending:
+            while self.cache.ready()[0] < pending:       # one FIFO copy worker, as on a rank
                 time.sleep(1e-5)
-            for op in writes.retire(len(writes)):
-                self.cache.release_op(op)
+            self.steps += 1
+            self.loop.run_until_complete(self.cache.retire(self.steps, writes=pending, loads=0))
 
     def us_per_admission(self, n: int) -> float:
         total = 0
@@ -83,6 +82,7 @@ def admission_scale(admissions: int, rounds: int, big_pages: int = 100_000, smal
     pairs = [(big.us_per_admission(admissions), small.us_per_admission(admissions)) for _ in range(rounds)]
     for w in (big, small):
         w.cache.close()
+        w.loop.close()
     value = sorted(b for b, _ in pairs)[rounds // 2]
     baseline = sorted(s for _, s in pairs)[rounds // 2]
     return figure("admission_scale", value, "us", "admission_1k_pages_us", baseline)

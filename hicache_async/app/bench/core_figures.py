@@ -41,8 +41,8 @@ def on_step_idle(steps: int) -> dict:
         return (time.perf_counter() - start) / steps * 1e6
 
     async def both() -> tuple[float, float]:
-        pairs = [(await run(plugin.on_step), await run(_noop)) for _ in range(5)]   # interleaved
-        await plugin.close()
+        async with plugin:
+            pairs = [(await run(plugin.on_step), await run(_noop)) for _ in range(5)]   # interleaved
         return min(a for a, _ in pairs), min(b for _, b in pairs)
 
     idle, baseline = asyncio.run(both())

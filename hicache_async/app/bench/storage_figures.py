@@ -2,22 +2,31 @@
 
 The baseline moves exactly the page bytes with nothing else (no header, checksum or key
 logic), in the same number of objects with the same durability (no fsync on either side),
-so the ratio is what the object format and the facade cost. The store runs the way a rank
-runs it: through the guard (breaker and deadline) and the tracing wrapper, tracing off.
-Each figure is the best of a few interleaved repetitions, to keep a noisy 2-core machine
-from deciding it; which side goes first alternates, and file writes start from a synced
-page cache, so neither side pays for the other's dirty pages.
+with the fewest calls that do it (file: `os.open`, one `readv`/`write`, `os.close`), so the
+ratio is what the object format and the facade cost. The store runs the way a rank runs it:
+through the guard (breaker and deadline) and the tracing wrapper, tracing off.
+
+Each `*_xxh3_bound_gbps` figure is the raw calls plus one XXH3 pass over the same pages, placed
+where it costs least (a file page hashed right beside its own read or write, while in cache; a
+Mooncake batch hashed before its put or after its get, one call being all there is): the most a
+store that verifies every byte can reach on this machine, beside the same baseline.
+
+Each figure is the best of a few repetitions, to keep a noisy 2-core machine from deciding
+it; the sides take turns, each repetition starting from the next one, and file writes start
+from a synced page cache, so no side pays for another's dirty pages.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 
 from ...errors import HiCacheError
 from ...keys import make_key_scheme, page_hashes
 from ...layout import KVLayout
+from ...transfer.objects import checksum
 from ...transfer.page_store import PageStore
 from ...config import CacheConfig
 from ...transfer.pool import HostPool, tensor_bytes
@@ -31,6 +40,7 @@ from .figure import figure, gbps, skipped
 # 512 KiB pages: 32 layers x K,V x 16 tokens x 4 kv heads x 64 dims, fp16.
 LAYOUT = KVLayout(num_layers=32, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float16,
                   model_id="bench-512k")
+Side = Callable[[int], None]   # moves repetition r's pages; raises if it moved the wrong ones
 
 
 def _workload(pages: int, reps: int):
@@ -46,102 +56,128 @@ def _store(adapter: StorageAdapter, name: str) -> PageStore:
     return PageStore(TracedStorage(guarded, RankCoords(), name), LAYOUT, make_key_scheme("rank-suffix", LAYOUT))
 
 
-def _compare(store: PageStore, host, reader, batches, raw_put, raw_get, pages: int,
-             settle=lambda: None) -> tuple[float, ...]:
-    """Best (store backup, raw put, store prefetch, raw get) GB/s; raw_put(r)/raw_get(r) move rep r.
+def _store_sides(store: PageStore, host: HostPool, reader: HostPool, batches, pages: int) -> tuple[Side, Side]:
+    """Backup and prefetch through `store`, each checked (untimed) to have moved every page right."""
+    slots = list(range(pages))
 
-    Raw and store runs alternate, first one then the other, so drift on a busy machine hits
-    both sides alike; `settle()` runs untimed before each write.
-    """
-    slots, nbytes = list(range(pages)), pages * LAYOUT.page_bytes
-    best = {"b_store": 0.0, "b_raw": 0.0, "p_store": 0.0, "p_raw": 0.0}
+    def backup(r: int) -> Callable[[], None]:
+        result = store.backup(batches[r], host, slots)
 
-    def timed(name: str, run) -> None:
-        best[name] = max(best[name], gbps(nbytes, run))
+        def check() -> None:
+            if result.ok != [True] * pages or result.skipped:
+                raise RuntimeError(f"bench backup did not write every page: {result}")
+        return check
 
-    def backup(r: int) -> None:
-        results = []
-        timed("b_store", lambda: results.append(store.backup(batches[r], host, slots)))
-        if results[0].ok != [True] * pages or results[0].skipped:
-            raise RuntimeError(f"bench backup did not write every page: {results[0]}")
+    def prefetch(r: int) -> Callable[[], None]:
+        result = store.prefetch(batches[r], reader, slots)
 
-    def prefetch(r: int) -> None:
-        results = []
-        timed("p_store", lambda: results.append(store.prefetch(batches[r], reader, slots)))
-        if results[0].pages != pages or not torch.equal(reader.tensor, host.tensor):
-            raise RuntimeError(f"bench prefetch read {results[0]} or wrong bytes")
+        def check() -> None:
+            if result.pages != pages or not torch.equal(reader.tensor, host.tensor):
+                raise RuntimeError(f"bench prefetch read {result} or wrong bytes")
+        return check
+    return backup, prefetch
 
-    def raw_backup(r: int) -> None:
-        timed("b_raw", lambda: raw_put(r))
 
-    def raw_prefetch(r: int) -> None:
-        timed("p_raw", lambda: raw_get(r))
+def _best(sides: dict[str, Side], reps: int, nbytes: int, settle: Callable[[], None] = lambda: None) -> dict:
+    """Best GB/s of each side over `reps` repetitions; a side may return an untimed check."""
+    best, names = dict.fromkeys(sides, 0.0), list(sides)
+    for r in range(reps):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]   # who goes first rotates
+            settle()
+            checks = []
+            best[name] = max(best[name], gbps(nbytes, lambda: checks.append(sides[name](r))))
+            if checks[0] is not None:
+                checks[0]()
+    return best
 
-    for sides, before in (((raw_backup, backup), settle), ((raw_prefetch, prefetch), lambda: None)):
-        for r in range(len(batches)):
-            for side in sides if r % 2 else sides[::-1]:   # who goes first alternates
-                before()
-                side(r)
-    return best["b_store"], best["b_raw"], best["p_store"], best["p_raw"]
+
+def _figures(kind: str, backup: dict, prefetch: dict, raw_put: str, raw_get: str) -> list[dict]:
+    return [figure(f"{kind}_backup_gbps", backup["store"], "GB/s", raw_put, backup["raw"]),
+            figure(f"{kind}_prefetch_gbps", prefetch["store"], "GB/s", raw_get, prefetch["raw"]),
+            figure(f"{kind}_backup_xxh3_bound_gbps", backup["bound"], "GB/s", raw_put, backup["raw"]),
+            figure(f"{kind}_prefetch_xxh3_bound_gbps", prefetch["bound"], "GB/s", raw_get, prefetch["raw"])]
 
 
 def _file_figures(pages: int, reps: int) -> list[dict]:
     host, reader, batches = _workload(pages, reps)
+    nbytes = pages * LAYOUT.page_bytes
     with tempfile.TemporaryDirectory(prefix="hicache-bench-") as root:
         raw_dir = os.path.join(root, "raw")
         os.mkdir(raw_dir)
-        store = _store(FileStorage(os.path.join(root, "store")), "file")
+        store_backup, store_prefetch = _store_sides(_store(FileStorage(os.path.join(root, "store")), "file"),
+                                                    host, reader, batches, pages)
         views = [host.page_bytes(p) for p in range(pages)]
         into = [reader.page_bytes(p) for p in range(pages)]
 
-        def raw_put(r: int) -> None:
+        def put(name: str, r: int, hashed: bool) -> None:
             for p, view in enumerate(views):
-                with open(os.path.join(raw_dir, f"{r}-{p}"), "wb") as f:
-                    f.write(view)
+                fd = os.open(os.path.join(raw_dir, f"{name}{r}-{p}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    if os.write(fd, view) != view.nbytes:
+                        raise RuntimeError(f"raw write of {name}{r}-{p} was short")
+                finally:
+                    os.close(fd)
+                if hashed:
+                    checksum(view)
 
-        def raw_get(r: int) -> None:
+        def get(name: str, r: int, hashed: bool) -> None:
             for p, view in enumerate(into):
-                with open(os.path.join(raw_dir, f"{r}-{p}"), "rb") as f:
-                    f.readinto(view)
+                fd = os.open(os.path.join(raw_dir, f"{name}{r}-{p}"), os.O_RDONLY)
+                try:
+                    if os.readv(fd, [view]) != view.nbytes:
+                        raise RuntimeError(f"raw read of {name}{r}-{p} was short")
+                finally:
+                    os.close(fd)
+                if hashed:
+                    checksum(view)
 
-        bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages, settle=os.sync)
-    return [figure("file_backup_gbps", bs, "GB/s", "raw_file_write_gbps", br),
-            figure("file_prefetch_gbps", ps, "GB/s", "raw_file_read_gbps", pr)]
+        backup = _best({"store": store_backup, "raw": lambda r: put("raw", r, False),
+                        "bound": lambda r: put("bound", r, True)}, reps, nbytes, settle=os.sync)
+        prefetch = _best({"store": store_prefetch, "raw": lambda r: get("raw", r, False),
+                          "bound": lambda r: get("bound", r, True)}, reps, nbytes)
+    return _figures("file", backup, prefetch, "raw_file_write_gbps", "raw_file_read_gbps")
 
 
 def _mooncake_figures(pages: int, reps: int) -> list[dict]:
     from hicache_mooncake import MooncakeMaster, MooncakeStorage
 
     host, reader, batches = _workload(pages, reps)
-    segment = 3 * reps * pages * (LAYOUT.page_bytes + 4096) + (64 << 20)   # room to spare: no eviction
-    # No segment holder: the client mounts its own segment, so both sides take the local path.
+    nbytes, size = pages * LAYOUT.page_bytes, LAYOUT.page_bytes
+    segment = 4 * reps * pages * (size + 4096) + (64 << 20)   # room to spare: no eviction
+    # No segment holder: the client mounts its own segment, so every side takes the local path.
     with MooncakeMaster(holder_bytes=0) as master:
         adapter = MooncakeStorage(master.address, master.metadata_url, segment_bytes=segment,
                                   buffer_bytes=32 << 20)
         try:
-            store = _store(adapter, "mooncake")
+            store_backup, store_prefetch = _store_sides(_store(adapter, "mooncake"), host, reader, batches, pages)
             client = adapter._store  # the raw baseline drives the very same client
-            size = LAYOUT.page_bytes
             ptrs = [host.page_ptr(p) for p in range(pages)]
             into = [reader.page_ptr(p) for p in range(pages)]
             for pool in (host, reader):
                 adapter.register_memory(tensor_bytes(pool.tensor))
 
-            def raw_put(r: int) -> None:
-                codes = client.batch_put_from([f"raw-{r}-{p}" for p in range(pages)], ptrs, [size] * pages)
+            def put(name: str, r: int, hashed: bool) -> None:
+                for p in range(pages) if hashed else ():
+                    checksum(host.page_bytes(p))
+                codes = client.batch_put_from([f"{name}-{r}-{p}" for p in range(pages)], ptrs, [size] * pages)
                 if any(c < 0 for c in codes):
                     raise RuntimeError(f"raw batch_put_from failed with codes {set(codes)}")
 
-            def raw_get(r: int) -> None:
-                codes = client.batch_get_into([f"raw-{r}-{p}" for p in range(pages)], into, [size] * pages)
+            def get(name: str, r: int, hashed: bool) -> None:
+                codes = client.batch_get_into([f"{name}-{r}-{p}" for p in range(pages)], into, [size] * pages)
                 if any(c != size for c in codes):
                     raise RuntimeError(f"raw batch_get_into failed with codes {set(codes)}")
+                for p in range(pages) if hashed else ():
+                    checksum(reader.page_bytes(p))
 
-            bs, br, ps, pr = _compare(store, host, reader, batches, raw_put, raw_get, pages)
+            backup = _best({"store": store_backup, "raw": lambda r: put("raw", r, False),
+                            "bound": lambda r: put("bound", r, True)}, reps, nbytes)
+            prefetch = _best({"store": store_prefetch, "raw": lambda r: get("raw", r, False),
+                              "bound": lambda r: get("bound", r, True)}, reps, nbytes)
         finally:
             adapter.close()
-    return [figure("mooncake_backup_gbps", bs, "GB/s", "raw_batch_put_from_gbps", br),
-            figure("mooncake_prefetch_gbps", ps, "GB/s", "raw_batch_get_into_gbps", pr)]
+    return _figures("mooncake", backup, prefetch, "raw_batch_put_from_gbps", "raw_batch_get_into_gbps")
 
 
 def storage_figures(quick: bool = False) -> list[dict]:
@@ -156,6 +192,7 @@ def storage_figures(quick: bool = False) -> list[dict]:
         figures += _mooncake_figures(pages, reps)
     except (ImportError, OSError, HiCacheError) as e:
         reason = f"mooncake unavailable: {e}"
-        figures += [skipped("mooncake_backup_gbps", "GB/s", "raw_batch_put_from_gbps", reason),
-                    skipped("mooncake_prefetch_gbps", "GB/s", "raw_batch_get_into_gbps", reason)]
+        for op, raw in (("backup", "raw_batch_put_from_gbps"), ("prefetch", "raw_batch_get_into_gbps")):
+            figures += [skipped(f"mooncake_{op}_gbps", "GB/s", raw, reason),
+                        skipped(f"mooncake_{op}_xxh3_bound_gbps", "GB/s", raw, reason)]
     return figures

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...parallel.agreement import pack
+from ...parallel.agreement import StepMessage
 from ...config import CacheConfig
 from ...layout import KVLayout
 from ...hicache.plugin import HiCachePlugin
@@ -43,7 +43,7 @@ async def _on_step(plugin: HiCachePlugin, steps: int) -> float:
 
 
 def _raw(groups, steps: int) -> float:
-    msg = torch.tensor(pack((0, 0, 0, 0), [], 1))
+    msg = torch.tensor(StepMessage(digest=1).pack())
     sends = []
     start = time.perf_counter()
     for _ in range(steps):
@@ -61,14 +61,13 @@ def _raw(groups, steps: int) -> float:
 
 
 async def _interleaved(ctx, blocks: int, steps: int) -> dict:
-    plugin = _plugin(ctx)
     raw = stepped = 0.0
-    for block in range(blocks + 1):
-        r = _raw(ctx.groups, steps)
-        s = await _on_step(plugin, steps)
-        if block:                      # block 0 warms both up
-            raw, stepped = raw + r, stepped + s
-    await plugin.close()
+    async with _plugin(ctx) as plugin:
+        for block in range(blocks + 1):
+            r = _raw(ctx.groups, steps)
+            s = await _on_step(plugin, steps)
+            if block:                      # block 0 warms both up
+                raw, stepped = raw + r, stepped + s
     n = blocks * steps
     return {"raw": raw / n * 1e6, "on_step": stepped / n * 1e6,
             "world_reductions": plugin.agreement.world_reductions}

@@ -1,0 +1,133 @@
+"""Requests in and out of the tiered cache: admission (prefix reuse, L3 prefetch, loads),
+the per-layer wait for loads, finishing, and what the plugin keeps per request meanwhile.
+
+The engine's `Request` carries only what the engine needs (pages, cached tokens); the
+plugin's own per-request state lives here, keyed by request id, from the first admission
+attempt to `finish`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import CacheConfig
+from ..errors import PoolExhausted
+from ..keys import page_hashes
+from ..request import Request
+from ..transfer.copier import CopyFailed
+from .cache import TieredCache
+from .op_tracing import OpTracer
+from .ops import CacheOp, StorageOp
+from .prefetch_cost import Decision, PrefetchCost
+from .radix import Match, Node
+from .storage_tier import StorageTier
+
+
+@dataclass(eq=False)
+class RequestState:
+    l3_considered: bool = False         # the prefetch decision is made once per request
+    decision: Decision | None = None    # that decision, for the request's span
+    prefetch: StorageOp | None = None   # the L3 prefetch its admission waits for
+    lock: Node | None = None            # the cached prefix its admission locked on the device
+    load: CacheOp | None = None         # the L2 -> L1 load its first forward waits for
+    origin: list[str] = field(default_factory=list)   # the tier each cached page came from
+
+
+class Admissions:
+    def __init__(self, config: CacheConfig, cache: TieredCache, l3: StorageTier | None,
+                 prefetch_cost: PrefetchCost, tracer: OpTracer) -> None:
+        self.config, self.cache, self.l3 = config, cache, l3
+        self.prefetch_cost, self.tracer = prefetch_cost, tracer
+        self.requests: dict[int, RequestState] = {}
+        self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
+                      "tokens_from_l3": 0, "tokens_computed": 0}
+
+    def admit(self, req: Request) -> bool:
+        state = self.requests.setdefault(req.id, RequestState())
+        if state.prefetch is not None:
+            state.prefetch.wanted = True
+            return False
+        ps = self.config.page_size
+        need = req.pages_needed(ps)
+        if need > self.config.device_pages:
+            raise PoolExhausted(f"request {req.id} needs {need} device pages but --device-pages is "
+                                f"{self.config.device_pages}")
+        tokens = req.prompt[:-1]       # the last prompt token is always computed, for its logits
+        match = self.cache.match(tokens)
+        if self.l3 is not None and not state.l3_considered:
+            state.l3_considered = True
+            if self._start_prefetch(req, state, tokens, match):
+                return False
+        admitted = self.cache.admit(match, need, req.id)
+        if admitted is None:
+            return False
+        state.lock, state.load, state.origin = admitted.lock, admitted.load, admitted.origin
+        host_tokens = match.host_tokens
+        l3_tokens = admitted.origin.count("l3") * ps
+        req.pages = admitted.pages
+        req.cached = req.kv_len = match.device_tokens + host_tokens
+        self.tracer.admission(req, match.device_tokens, host_tokens, state.decision)
+        self._count("tokens_from_l1", match.device_tokens)
+        self._count("tokens_from_l3", l3_tokens)
+        self._count("tokens_from_l2", host_tokens - l3_tokens)
+        self._count("tokens_computed", len(req.prompt) - req.cached)
+        self.stats["prompt_tokens"] += len(req.prompt)
+        return True
+
+    def _start_prefetch(self, req: Request, state: RequestState, tokens: list[int], match: Match) -> bool:
+        """Fetch the prompt's full pages that L1 and L2 miss from L3, if that beats recomputing
+        them; True if the admission now waits for it."""
+        ps = self.config.page_size
+        full = len(tokens) // ps
+        cached_pages = (match.device_tokens + match.host_tokens) // ps
+        missing = full - cached_pages
+        if missing <= 0:
+            return False
+        state.decision = self.prefetch_cost.decide(missing, missing * ps)
+        if not state.decision.fetch:
+            return False
+        hashes = page_hashes(tokens[: full * ps], ps)
+        op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes)
+        if op is None:
+            return False
+        if op.span is not None and op.span.is_recording():
+            op.span.set_attributes(state.decision.attributes())
+        state.prefetch = op
+        return True
+
+    def fetching(self, req: Request) -> bool:
+        """Whether `req` waits for an L3 prefetch: admitting it only marks it wanted."""
+        state = self.requests.get(req.id)
+        return state is not None and state.prefetch is not None
+
+    def prefetched(self, op: StorageOp) -> None:
+        """`op` retired: its request may be admitted now, from what it committed."""
+        self.requests[op.request_id].prefetch = None
+
+    def kv_origin(self, req: Request) -> list[str]:
+        state = self.requests.get(req.id)
+        return state.origin if state is not None else []
+
+    async def layer_ready(self, reqs: list[Request], layer: int, where: str) -> None:
+        for req in reqs:
+            state = self.requests.get(req.id)
+            op = state.load if state is not None else None
+            if op is None:
+                continue
+            event = op.events[layer]
+            if not event.query():
+                await event.wait(self.config.sync_timeout_s, f"{where}: load of layer {layer}")
+            if event.error is not None:
+                raise CopyFailed(f"{where}: load op of {op.pages} pages for request {req.id} failed: "
+                                 f"{event.error}")
+
+    def finish(self, req: Request) -> None:
+        state = self.requests.pop(req.id)
+        ps = self.config.page_size
+        tokens = req.kv_tokens[: req.kv_len // ps * ps]
+        self.cache.finish(tokens, req.pages, page_hashes(tokens, ps), state.lock)
+        req.pages = []
+
+    def _count(self, stat: str, n: int) -> None:
+        self.stats[stat] += n
+        if n:
+            self.tracer.metrics.tokens(stat.removeprefix("tokens_").removeprefix("from_"), n)
