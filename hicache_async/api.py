@@ -8,9 +8,9 @@ from typing import Any
 
 from .errors import UsageError
 from .layout import KVLayout
-from .transfer.pool import DevicePool
-from .request import Request
 from .parallel.topology import RankCoords
+from .request import Request
+from .transfer.pool import DevicePool
 
 GROUP = "hicache_async.plugins"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import operator
 import sys
-from array import array
 from abc import ABC, abstractmethod
+from array import array
 from dataclasses import dataclass
 from typing import Iterable
 

@@ -3,7 +3,6 @@ to it that mount no segment of their own (objects land in the holder's, as in a 
 from __future__ import annotations
 
 import pytest
-
 from hicache_mooncake import MooncakeMaster, MooncakeStorage
 
 

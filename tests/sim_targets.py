@@ -3,8 +3,8 @@ import dataclasses
 import time
 
 from hicache_async.hicache.cache import TieredCache
-from hicache_async.transfer.page_store import PageStore
 from hicache_async.sim.rank_main import run_rank
+from hicache_async.transfer.page_store import PageStore
 
 
 async def matrix(ctx) -> dict:

@@ -5,15 +5,15 @@ agreement itself across real gloo processes.
 """
 import pytest
 
-from hicache_async.errors import DivergenceError, UsageError
-from hicache_async.layout import KVLayout
-from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.api import EngineContext
-from hicache_async.transfer.pool import DevicePool
+from hicache_async.errors import DivergenceError, UsageError
+from hicache_async.hicache.plugin import HiCachePlugin
+from hicache_async.layout import KVLayout
 from hicache_async.parallel.agreement import NOT_READY, PREFETCH_SLOTS, StepMessage
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS, InFlightSends
-from hicache_async.sim.launcher import launch
 from hicache_async.parallel.topology import RankCoords
+from hicache_async.sim.launcher import launch
+from hicache_async.transfer.pool import DevicePool
 from tests.agreement_targets import offer
 
 COORDS = RankCoords.of(0, 1, 2, 1)

@@ -10,7 +10,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-
 from hicache_mooncake import MooncakeMaster
 from hicache_mooncake.master import free_port
 

@@ -11,12 +11,12 @@ from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.workload import WorkloadSpec
 from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.parallel.topology import RankCoords
+from hicache_async.sim.launcher import launch
+from hicache_async.sim.rank_main import payload_of
+from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer.page_store import PageStore
 from hicache_async.transfer.pool import HostPool
-from hicache_async.sim.rank_main import payload_of
-from hicache_async.sim.launcher import launch
-from hicache_async.storage.memory import MemoryStorage
-from hicache_async.parallel.topology import RankCoords
 from tests.reference_kv import assert_like_reference, reference
 
 SCHEMES = ("rank-suffix", "unified")

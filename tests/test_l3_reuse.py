@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from hicache_async.parallel.agreement import NOT_READY
-from hicache_async.layout import KVLayout
 from hicache_async.hicache.prefetch_cost import PrefetchCost
+from hicache_async.layout import KVLayout
+from hicache_async.parallel.agreement import NOT_READY
 from hicache_async.parallel.topology import RankCoords
 from tests.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 

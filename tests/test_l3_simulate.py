@@ -5,8 +5,8 @@ import pytest
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.rank_main import payload_of
 from hicache_async.sim.launcher import launch
+from hicache_async.sim.rank_main import payload_of
 from tests.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 from tests.reference_kv import assert_like_reference, reference
 

@@ -16,8 +16,8 @@ import pytest
 
 from hicache_async.errors import HiCacheError, SyncTimeout, UsageError
 from hicache_async.parallel.dist_wait import wait_work
-from hicache_async.sim.launcher import launch
 from hicache_async.parallel.topology import RankCoords
+from hicache_async.sim.launcher import launch
 
 TESTS_DIR = Path(__file__).parent
 

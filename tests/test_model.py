@@ -10,14 +10,15 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_async.engine import ModelConfig, SeqChunk, TinyModel
 from hicache_async.engine.attention import read_kv
 from hicache_async.engine.weights import layer_weights
 from hicache_async.errors import UsageError
-from hicache_async.sim.launcher import launch
 from hicache_async.parallel.topology import RankCoords
+from hicache_async.sim.launcher import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -3,21 +3,21 @@ import time
 
 import pytest
 import torch
-
-from hicache_async.errors import StorageError
-from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import HostPool
-from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
-from hicache_async.transfer import checksums
-from hicache_async.transfer.objects import HEADER_BYTES, encode_header
-from hicache_async.parallel.topology import RankCoords
 from hicache_mooncake import MooncakeMaster, MooncakeStorage
 from hicache_mooncake import adapter as adapter_module
 from hicache_mooncake.adapter import _runs
 from hicache_mooncake.master import free_port
 from mooncake_fixture import mooncake_master, mooncake_storage  # noqa: F401  (fixtures)
 from test_keys import rank_layout
+
+from hicache_async.errors import StorageError
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.parallel.topology import RankCoords
+from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.transfer import checksums
+from hicache_async.transfer.objects import HEADER_BYTES, encode_header
+from hicache_async.transfer.page_store import PageStore
+from hicache_async.transfer.pool import HostPool
 
 LAYOUT = rank_layout(RankCoords())
 

@@ -3,10 +3,18 @@ import torch
 
 from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
 from hicache_async.layout import KVLayout
+from hicache_async.storage.memory import MemoryStorage
+from hicache_async.transfer.objects import (
+    HEADER_BYTES,
+    CorruptObject,
+    checksum,
+    encode_header,
+    expected_prefix,
+    intact,
+    verify,
+)
 from hicache_async.transfer.page_store import PageStore
 from hicache_async.transfer.pool import HostPool
-from hicache_async.storage.memory import MemoryStorage
-from hicache_async.transfer.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, verify
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
 PAYLOAD = bytes(range(200))
@@ -30,6 +38,19 @@ def test_any_mismatch_is_corrupt(key, spec, ns, payload, reason):
     header = encode_header("k1", SPEC, "ns", PAYLOAD)
     with pytest.raises(CorruptObject, match=reason):
         verify(key, spec, ns, header, payload)
+
+
+def test_intact_checks_every_header_byte_against_a_prefix_made_before_the_read():
+    header = memoryview(bytearray(encode_header("k1", SPEC, "ns", PAYLOAD)))
+    prefix = expected_prefix("k1", SPEC, "ns", len(PAYLOAD))
+    assert intact(header, prefix, PAYLOAD)
+    assert not intact(header, expected_prefix("k2", SPEC, "ns", len(PAYLOAD)), PAYLOAD)
+    assert not intact(header, expected_prefix("k1", SPEC, "ns", len(PAYLOAD) + 1), PAYLOAD)
+    assert not intact(header, prefix, PAYLOAD[:5] + b"\xff" + PAYLOAD[6:])
+    header[-1] = 1                             # the padding after the checksum
+    assert not intact(header, prefix, PAYLOAD)
+    with pytest.raises(CorruptObject, match="padding"):
+        verify("k1", SPEC, "ns", header, PAYLOAD)
 
 
 def test_truncated_header_is_corrupt():

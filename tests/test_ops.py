@@ -4,14 +4,14 @@ import asyncio
 import pytest
 import torch
 
-from hicache_async.hicache.cache import TieredCache
 from hicache_async.config import CacheConfig
 from hicache_async.errors import PoolExhausted, SyncTimeout
-from hicache_async.transfer.events import HostEvent
-from hicache_async.layout import KVLayout
+from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.ops import AckQueue, CacheOp
-from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
+from hicache_async.layout import KVLayout
 from hicache_async.transfer.copier import Copier, runs
+from hicache_async.transfer.events import HostEvent
+from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
 

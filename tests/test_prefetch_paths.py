@@ -6,8 +6,8 @@ import pytest
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.rank_main import payload_of
 from hicache_async.sim.launcher import launch
+from hicache_async.sim.rank_main import payload_of
 from tests.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=24, turns=4, system_prompts=2, system_len=32, user_len=(8, 16),

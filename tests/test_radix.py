@@ -1,10 +1,11 @@
 """Radix tree invariants under random operation sequences (hypothesis), plus direct cases."""
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache_async.transfer.pool import PageAllocator
 from hicache_async.hicache.radix import RadixTree
+from hicache_async.transfer.pool import PageAllocator
 
 PS = 2
 

@@ -8,7 +8,6 @@ from collections import defaultdict
 
 from google.protobuf import json_format
 from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
-
 from otlp_receiver import otlp_receiver  # noqa: F401 - fixture
 
 KINDS = ("write", "load", "backup", "prefetch")

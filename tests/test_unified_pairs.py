@@ -7,8 +7,8 @@ import shutil
 from hicache_async.config import CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.rank_main import payload_of
 from hicache_async.sim.launcher import launch
+from hicache_async.sim.rank_main import payload_of
 from tests.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=12, turns=3, system_prompts=2, system_len=32, user_len=(8, 16),

@@ -6,9 +6,9 @@ import json
 import os
 import sys
 
-from ..transfer import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from ..errors import HiCacheError, UsageError
+from ..transfer import faults
 from .storage_flags import add_storage_flags, storage_options
 
 
@@ -147,9 +147,9 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 
 def _replay(ns: argparse.Namespace) -> int:
-    from ..sim import capacity
     from ..engine.replay_workload import ReplaySpec
     from ..engine.virtual_clock import CostModel
+    from ..sim import capacity
     from ..sim.replay import print_summary, run
 
     cache = _cache_config(ns)
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.injected()       # an unknown fault name is a usage error before any work starts
         if ns.command == "bench":
             return _bench(ns)
-        from ..sim.torchrun import lead_or_follow   # under torchrun this process is one rank
+        from ..sim.torchrun import lead_or_follow  # under torchrun this process is one rank
         return lead_or_follow(lambda: {"simulate": _simulate, "replay": _replay}[ns.command](ns))
     except UsageError as exc:
         print(f"hicache-async: error: {exc}", file=sys.stderr)

@@ -13,8 +13,8 @@ import torch
 
 from ..keys import page_hashes
 from ..layout import KVLayout
-from ..request import Request
 from ..parallel.topology import RankCoords
+from ..request import Request
 
 # Truth for one local layer of some pages: (page hashes, local layer) -> [pages, planes,
 # page_size, heads, dim], shaped and placed like the device pool's pages. A page's chained

@@ -22,8 +22,8 @@ import torch
 
 from ..errors import UsageError
 from ..layout import KVLayout
-from ..request import Request
 from ..parallel.topology import RankCoords, check_topology, kv_head_range, split_range
+from ..request import Request
 from .model import SeqChunk
 from .replay_kv import ReplayKV, page_seed
 from .replay_trace import VOCAB

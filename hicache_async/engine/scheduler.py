@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import anyio
 
-from ..errors import PoolExhausted
 from ..api import EngineContext, KVPlugin
-from ..transfer.pool import DevicePool
+from ..errors import PoolExhausted
 from ..request import Request
+from ..transfer.pool import DevicePool
 from .kv_witness import KVWitness
 from .model import SeqChunk, TinyModel
 from .workload import Workload

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 
+from ..parallel.topology import RankCoords
+from ..request import Request
 from ..telemetry import spans
 from .ops import ROUTES, CacheOp
 from .prefetch_cost import Decision
-from ..request import Request
-from ..parallel.topology import RankCoords
 
 
 class OpTracer:

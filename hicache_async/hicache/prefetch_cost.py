@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.agreement import NOT_READY
 from ..layout import KVLayout
+from ..parallel.agreement import NOT_READY
 from ..parallel.topology import RankCoords
 
 SMOOTHING = 0.5       # weight of a new agreed sample in the running estimate

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .agreement import Agreement, StepMessage
 from ..errors import DivergenceError
+from .agreement import Agreement, StepMessage
 from .dist_wait import all_reduce, recv, wait_work
 from .topology import RankCoords
 

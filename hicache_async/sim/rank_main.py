@@ -9,18 +9,18 @@ from typing import Any
 
 import anyio
 
-from ..parallel.agreement import LocalAgreement
+from ..api import KVPlugin, load_plugin
 from ..config import CacheConfig
 from ..engine.kv_record import RecordedKV
 from ..engine.kv_witness import KVCheck
 from ..engine.model import ModelConfig, TinyModel
 from ..engine.scheduler import Scheduler
 from ..engine.workload import Workload, WorkloadSpec
-from ..telemetry.sdk import setup_telemetry
-from ..api import KVPlugin, load_plugin
+from ..parallel.agreement import LocalAgreement
 from ..parallel.pp_sync import PipelineAgreement
 from ..request import Request
 from ..storage.base import open_storage
+from ..telemetry.sdk import setup_telemetry
 from ..telemetry.trace_file import part_path
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from ..engine.replay_model import ReplayModelSpec
 from ..engine.replay_trace import read_trace
 from ..engine.replay_workload import ReplaySpec
 from ..errors import UsageError
+from ..parallel.topology import check_topology
 from . import torchrun
 from .oracle import unbounded_oracle
 from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
-from ..parallel.topology import check_topology
 
 TIER_NAMES = tuple(zip(TOKEN_FIELDS, ("L1 device", "L2 host", "L3 storage", "computed")))
 

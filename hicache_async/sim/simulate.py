@@ -17,13 +17,13 @@ from ..config import CacheConfig
 from ..engine.model import ModelConfig
 from ..engine.workload import WorkloadSpec
 from ..errors import StorageError, UsageError
+from ..parallel.topology import check_topology
+from ..storage.base import DEFAULT_STORAGE, storage_backend
+from ..telemetry.trace_file import merge_trace_files, part_path
 from . import torchrun
 from .launcher import launch
 from .rank_main import payload_of
 from .reference import reference_run
-from ..parallel.topology import check_topology
-from ..storage.base import DEFAULT_STORAGE, storage_backend
-from ..telemetry.trace_file import merge_trace_files, part_path
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
 STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")

@@ -161,20 +161,23 @@ class FileStorage(StorageAdapter):
         return True
 
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
-        stale = time.time() - TOUCH_S
-        return [self._read(key, self._path(key), [memoryview(b).cast("B")], False, stale)
-                for key, b in zip(keys, buffers)]
+        stale, views = time.time() - TOUCH_S, [memoryview(b).cast("B") for b in buffers]
+        return [self._read(key, self._path(key), [v], v.nbytes, False, stale) for key, v in zip(keys, views)]
 
     def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
-        paths, out, stale = [self._path(key) for key in keys], [], time.time() - TOUCH_S
-        for i, (key, path, ps) in enumerate(zip(keys, paths, parts)):
-            out.append(self._read(key, path, ps, True, stale))
+        # Names and sizes first: the loop that streams the bytes in (evicting all else from
+        # cache) then runs as little Python per object as it can.
+        paths, rooms = [self._path(key) for key in keys], [sum(p.nbytes for p in ps) for ps in parts]
+        out, stale = [], time.time() - TOUCH_S
+        for i, (key, path, ps, room) in enumerate(zip(keys, paths, parts, rooms)):
+            out.append(self._read(key, path, ps, room, True, stale))
             if landed is not None:
-                landed(i, out[-1:])
+                landed(i, out[i:])
         return out
 
-    def _read(self, key: str, path: str, parts: Sequence[memoryview], exact: bool, stale: float) -> int:
+    def _read(self, key: str, path: str, parts: Sequence[memoryview], room: int, exact: bool,
+              stale: float) -> int:
         """One object in one `readv` straight into `parts`; touched when last used before `stale`."""
         if call_abandoned():      # the caller has moved on: its buffers are not ours to fill
             return MISSING
@@ -186,7 +189,6 @@ class FileStorage(StorageAdapter):
             raise StorageError(f"file storage {self.root}: cannot open {key}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            room = sum(p.nbytes for p in parts)
             if st.st_size > room or (exact and st.st_size != room):
                 return WRONG_SIZE
             got = os.readv(fd, parts)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..telemetry import spans
 from ..errors import StorageError
 from ..parallel.topology import RankCoords
+from ..telemetry import spans
 from .base import StorageAdapter
 
 

@@ -16,8 +16,18 @@ from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
-from opentelemetry.trace import (INVALID_SPAN, Link, NonRecordingSpan, NoOpTracerProvider,
-                                 ProxyTracerProvider, Span, SpanContext, Status, StatusCode, TraceFlags)
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Link,
+    NonRecordingSpan,
+    NoOpTracerProvider,
+    ProxyTracerProvider,
+    Span,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 
 from ..parallel.topology import RankCoords
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import faults
 from ..errors import HiCacheError
+from . import faults
 from .events import CompletionEvent, CudaEvent, HostEvent
 from .pool import DevicePool, HostPool
 

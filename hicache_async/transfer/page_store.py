@@ -11,8 +11,8 @@ the writing to CP rank 0. Every CP rank *reads* all the pages it asks for, since
 the full KV of its pages.
 
 Every object carries a checksum, computed on backup and verified on prefetch, beside the
-transfer (`storage/overlap.py`): headers just ahead of the adapter's writes, verification
-just behind its reads, while the bytes are in cache. There is no separate existence probe:
+transfer (`checksums.py`): headers just ahead of the adapter's writes, verification just
+behind its reads, while the bytes are in cache. There is no separate existence probe:
 a prefetch reads until the first object the adapter reports missing, and a backup lets the
 adapter skip objects it already holds.
 """
@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import faults
 from ..config import CP_MODES
 from ..errors import StorageError, UsageError
 from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
-from ..partition import cp_page_slice
-from .pool import HostPool, tensor_bytes
-from ..storage.base import MISSING, StorageAdapter
-from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
-from .checksums import Ahead, Behind
 from ..parallel.topology import RankCoords
+from ..partition import cp_page_slice
+from ..storage.base import MISSING, StorageAdapter
+from . import faults
+from .checksums import Ahead, Behind
+from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
+from .pool import HostPool, tensor_bytes
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 
@@ -98,17 +98,13 @@ class PageStore:
             return self._registered[host.tensor.data_ptr()][1]
 
     @staticmethod
-    def _whole_pages(host: HostPool, pool: memoryview):
-        """A function giving an object's bytes in place when it is a whole host page (every layer
-        and head this rank holds), else None: a slice of one view, far cheaper than a tensor
-        view per object."""
-        size, layers, heads = host.layout.page_bytes, host.tensor.shape[1], host.tensor.shape[4]
-
-        def whole(page: int, spec: ObjectSpec) -> memoryview | None:
-            if len(spec.layers) != layers or len(spec.heads) != heads:
-                return None
-            return pool[page * size:(page + 1) * size]
-        return whole
+    def _whole_page(host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | None:
+        """The object's bytes in place when it is a whole host page (every layer and head this
+        rank holds), else None: a slice of one view, far cheaper than a tensor view per object."""
+        if len(spec.layers) != host.tensor.shape[1] or len(spec.heads) != host.tensor.shape[4]:
+            return None
+        size = host.layout.page_bytes
+        return pool[page * size:(page + 1) * size]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
@@ -134,11 +130,11 @@ class PageStore:
         mine = self._write_pages(page_hashes)
         if not mine:
             return result
-        whole = self._whole_pages(host, self._register(host))
+        pool = self._register(host)
         jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
         for i in mine:
             for spec in self.keys.objects(page_hashes[i]):
-                payload = whole(host_pages[i], spec)
+                payload = self._whole_page(host, pool, host_pages[i], spec)
                 if payload is None or self.fault == "corrupt-stored":
                     copies.append(self._slot(host, host_pages[i], spec).contiguous())
                     if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
@@ -204,11 +200,10 @@ class PageStore:
         in, evicting everything else from cache, is one checksum and one compare."""
         per_page = len(specs[0])
         headers = memoryview(bytearray(HEADER_BYTES * per_page * len(specs)))
-        whole = self._whole_pages(host, pool)
         keys, parts, staged, prefixes = [], [], [], []   # staged: (slot, staging) when read out of place
         for page, page_specs in zip(host_pages, specs):
             for spec in page_specs:
-                data, out_of_place = whole(page, spec), None
+                data, out_of_place = self._whole_page(host, pool, page, spec), None
                 if data is None:
                     slot = self._slot(host, page, spec)
                     target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)

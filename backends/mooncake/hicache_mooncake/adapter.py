@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hicache_async.errors import StorageError
-from hicache_async.transfer import checksums
 from hicache_async.storage.base import MISSING, WRONG_SIZE, call_abandoned
+from hicache_async.transfer import checksums
 
 from .client import MooncakeClient, in_call
 
@@ -86,7 +86,10 @@ class MooncakeStorage(MooncakeClient):
             self._pin(ptr, view.nbytes)
 
     def _pinned(self, ptr: int, size: int) -> bool:
-        return any(a <= ptr and ptr + size <= b for a, b in self._regions)
+        for start, stop in self._regions:
+            if start <= ptr and ptr + size <= stop:
+                return True
+        return False
 
     def _staging(self, size: int) -> torch.Tensor:
         """This thread's registered staging buffer, grown to at least `size` bytes.
@@ -101,7 +104,7 @@ class MooncakeStorage(MooncakeClient):
             self._store.unregister_buffer(old.data_ptr())
             with self._lock:
                 self._regions.remove((old.data_ptr(), old.data_ptr() + old.numel()))
-        import torch    # here, not at the top: `--help` loads this class for its flags
+        import torch  # here, not at the top: `--help` loads this class for its flags
 
         buf = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
         self._pin(buf.data_ptr(), buf.numel())
@@ -109,24 +112,34 @@ class MooncakeStorage(MooncakeClient):
         return buf
 
     def _plan(self, parts: list[Sequence[memoryview]]):
-        """Pointers and sizes per object, plus (part, offset in staging) for staged parts."""
-        ptrs, sizes, unpinned, need = [], [], [], 0
+        """Pointers and sizes per object, the staging copies and the staging buffer's address.
+
+        A part outside registered memory goes through this thread's staging buffer: each copy
+        is (the part's address, or the part itself when read-only; offset in staging; bytes),
+        and parts that are neighbours in memory (a batch's headers) share one copy.
+        """
+        ptrs, sizes, slots, copies, need = [], [], [], [], 0
         for ps in parts:
             row, row_sizes = [], []
             for p in ps:
                 view = memoryview(p).cast("B")
-                ptr = _address(view)
-                if ptr is None or not self._pinned(ptr, view.nbytes):
-                    unpinned.append((row, len(row), view, need))
-                    need += view.nbytes
+                ptr, n = _address(view), view.nbytes
+                if ptr is None or not self._pinned(ptr, n):
+                    slots.append((row, len(row), need))
+                    last = copies[-1] if copies else None
+                    if ptr is not None and last is not None and last[0] == ptr - last[2]:
+                        copies[-1] = (last[0], last[1], last[2] + n)
+                    else:
+                        copies.append((ptr if ptr is not None else view, need, n))
+                    need += n
                 row.append(ptr)
-                row_sizes.append(view.nbytes)
+                row_sizes.append(n)
             ptrs.append(row)
             sizes.append(row_sizes)
         base = self._staging(need).data_ptr() if need else 0
-        for row, i, view, offset in unpinned:
+        for row, i, offset in slots:
             row[i] = base + offset
-        return ptrs, sizes, [(view, offset) for _, _, view, offset in unpinned], base
+        return ptrs, sizes, copies, base
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -166,10 +179,9 @@ class MooncakeStorage(MooncakeClient):
                 return out
             for i in batch if ready is not None else ():
                 ready(i)
-            ptrs, sizes, staged, base = self._plan([parts[i] for i in batch])
-            for view, offset in staged:
-                ctypes.memmove(base + offset, (ctypes.c_char * view.nbytes).from_buffer_copy(view)
-                               if view.readonly else _address(view), view.nbytes)
+            ptrs, sizes, copies, base = self._plan([parts[i] for i in batch])
+            for src, offset, n in copies:
+                ctypes.memmove(base + offset, src if isinstance(src, int) else bytes(src), n)
             codes = self._store.batch_put_from_multi_buffers([keys[i] for i in batch], ptrs, sizes)
             self._check(codes, "batch_put")
             for i, code in zip(batch, codes):
@@ -180,10 +192,10 @@ class MooncakeStorage(MooncakeClient):
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         if not keys:
             return []
-        ptrs, sizes, staged, base = self._plan([[b] for b in buffers])
+        ptrs, sizes, copies, base = self._plan([[b] for b in buffers])
         codes = self._store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
         self._check(codes, "batch_get")
-        self._unstage(staged, base)
+        self._unstage(copies, base)
         return [self._get_result(k, c) for k, c in zip(keys, codes)]
 
     @in_call
@@ -193,10 +205,10 @@ class MooncakeStorage(MooncakeClient):
         for run in _runs([sum(memoryview(p).nbytes for p in ps) for ps in parts], small_tail=True):
             if call_abandoned():    # the caller has moved on: its buffers are not ours to fill
                 return out + [MISSING] * (len(keys) - len(out))
-            ptrs, sizes, staged, base = self._plan(parts[run.start:run.stop])
+            ptrs, sizes, copies, base = self._plan(parts[run.start:run.stop])
             codes = self._store.batch_get_into_multi_buffers(keys[run.start:run.stop], ptrs, sizes)
             self._check(codes, "batch_get")
-            self._unstage(staged, base)
+            self._unstage(copies, base)
             results = [self._get_result(k, c) for k, c in zip(keys[run.start:run.stop], codes)]
             out += results
             if landed is not None:
@@ -204,9 +216,9 @@ class MooncakeStorage(MooncakeClient):
         return out
 
     @staticmethod
-    def _unstage(staged, base: int) -> None:
-        for view, offset in staged:
-            ctypes.memmove(_address(view), base + offset, view.nbytes)
+    def _unstage(copies, base: int) -> None:
+        for dst, offset, n in copies:
+            ctypes.memmove(dst, base + offset, n)
 
     def _get_result(self, key: str, code: int) -> int:
         if code >= 0:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ...hicache.cache import TieredCache
 from ...config import CacheConfig
+from ...hicache.cache import TieredCache
 from ...layout import KVLayout
 from ...transfer.pool import DevicePool, HostPool
 from .figure import figure

@@ -7,14 +7,14 @@ import time
 
 import torch
 
-from ...telemetry import spans
-from ...config import CacheConfig
-from ...layout import KVLayout
-from ...hicache.plugin import HiCachePlugin
 from ...api import EngineContext
-from ...transfer.pool import DevicePool, HostPool
+from ...config import CacheConfig
+from ...hicache.plugin import HiCachePlugin
+from ...layout import KVLayout
 from ...parallel.topology import RankCoords
+from ...telemetry import spans
 from ...transfer.copier import Copier
+from ...transfer.pool import DevicePool, HostPool
 from .figure import figure
 
 # A realistic page: 32 layers x 8 kv heads x 128 dims x 16 tokens, K and V, fp16 = 2 MiB.

@@ -16,14 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...parallel.agreement import StepMessage
-from ...config import CacheConfig
-from ...layout import KVLayout
-from ...hicache.plugin import HiCachePlugin
 from ...api import EngineContext
-from ...transfer.pool import DevicePool
+from ...config import CacheConfig
+from ...hicache.plugin import HiCachePlugin
+from ...layout import KVLayout
+from ...parallel.agreement import StepMessage
 from ...parallel.pp_sync import SYNC_TAG, PipelineAgreement
 from ...sim.launcher import launch
+from ...transfer.pool import DevicePool
 from .figure import figure
 
 
