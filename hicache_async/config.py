@@ -36,15 +36,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("device_pages", "host_pages", "page_size", "load_back_threshold",
-                     "storage_workers", "storage_timeout_s", "storage_breaker_failures", "storage_retry_s"):
+                     "storage_workers", "storage_timeout_s", "storage_breaker_failures", "storage_retry_s",
+                     "l3_gbps"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.prefetch_threshold is not None and self.prefetch_threshold < 0:
             raise UsageError(f"prefetch-threshold must be >= 0, got {self.prefetch_threshold}")
         for name in ("prefill_us_per_token", "l3_gbps", "l3_latency_us"):
-            if not 0 <= getattr(self, name) < float("inf") or (name == "l3_gbps" and not self.l3_gbps):
-                raise UsageError(f"{name.replace('_', '-')} must be a finite number "
-                                 f"{'> 0' if name == 'l3_gbps' else '>= 0'}, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise UsageError(f"{name.replace('_', '-')} must be a finite number >= 0, got {getattr(self, name)}")
         for name, allowed in (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
                               ("key_scheme", KEY_SCHEMES), ("cp_transfer", CP_MODES)):
             if getattr(self, name) not in allowed:

@@ -23,4 +23,9 @@ class Request:
         return (self.prompt + self.output)[: self.kv_len]
 
     def pages_needed(self, page_size: int) -> int:
-        return -(-(len(self.prompt) + self.max_new - 1) // page_size)
+        return pages_needed(len(self.prompt), self.max_new, page_size)
+
+
+def pages_needed(prompt_len: int, max_new: int, page_size: int) -> int:
+    """Device pages a request holds at its longest: its prompt and all outputs but the last."""
+    return -(-(prompt_len + max_new - 1) // page_size)

@@ -104,6 +104,7 @@ def test_readers_never_see_a_partial_object(tmp_path):
     stop.set()
     t.join(timeout=30)
     assert seen <= set(versions) | {MISSING}
+    assert seen - {MISSING}, "the reader never saw a whole object"
 
 
 @pytest.mark.parametrize("key", ["../escape", "/etc/passwd", "a/../../b", "..", ".", "nul\0byte", "x" * 300, "é%"])

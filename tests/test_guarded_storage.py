@@ -33,7 +33,7 @@ class HangingStorage(MemoryStorage):
     def _maybe_hang(self) -> None:
         self.calls_left -= 1
         if self.calls_left < 0:
-            self.release.wait()
+            self.release.wait(timeout=30)
             self.woke_abandoned.append(call_abandoned())
 
     def batch_set(self, keys, values):
@@ -62,10 +62,12 @@ def test_a_call_that_never_returns_is_an_error_after_the_deadline_and_is_told_so
     hung = HangingStorage()
     guard = GuardedStorage(hung, FAST)
     start = time.monotonic()
-    with pytest.raises(StorageError, match=r"batch_get still running after 0.3 s"):
-        guard.batch_get(["k"], [memoryview(bytearray(4))])
-    assert 0.3 <= time.monotonic() - start < 1.0
-    hung.release.set()
+    try:
+        with pytest.raises(StorageError, match=r"batch_get still running after 0.3 s"):
+            guard.batch_get(["k"], [memoryview(bytearray(4))])
+        assert 0.3 <= time.monotonic() - start < 1.0
+    finally:
+        hung.release.set()
     deadline = time.monotonic() + 5
     while not hung.woke_abandoned and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -10,7 +10,7 @@ from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.ops import AckQueue, CacheOp
 from hicache_async.layout import KVLayout
 from hicache_async.transfer.copier import Copier, runs
-from hicache_async.transfer.events import HostEvent
+from hicache_async.transfer.events import HostEvent, first_completion
 from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
@@ -46,6 +46,17 @@ async def test_event_wait_times_out_with_the_operation_named():
     asyncio.get_running_loop().call_later(0.01, event.set)
     await event.wait(1.0, "x")
     assert event.query()
+
+
+async def test_waits_that_time_out_leave_no_waiter_behind():
+    """An idle loop waits on a long storage op's event many times; set() must not then wake
+    every one of those abandoned waits."""
+    slow, other = HostEvent(), HostEvent()
+    for _ in range(20):
+        await first_completion([slow, other], 0.001)
+        with pytest.raises(SyncTimeout):
+            await slow.wait(0.001, "backup")
+    assert slow._waiters == [] and other._waiters == []
 
 
 def test_copier_round_trips_pages_layer_by_layer():

@@ -9,6 +9,7 @@ from hicache_async.config import WRITE_POLICIES, CacheConfig
 from hicache_async.engine.model import ModelConfig
 from hicache_async.engine.workload import WorkloadSpec
 from hicache_async.errors import DivergenceError
+from hicache_async.parallel.pp_sync import REAP_AGE_STEPS
 from hicache_async.sim.launcher import launch
 from hicache_async.sim.rank_main import payload_of
 from tests.reference_kv import assert_like_reference, reference
@@ -34,11 +35,11 @@ def test_cached_tokens_match_reference_across_ranks(tp, pp, cp):
         first = assert_like_reference(reports, REFERENCE[name.split("/")[0]][0], name)
         assert first["tokens_from_l2"] > 0, (name, first)
         assert all(r["transfers"] == first["transfers"] for r in reports), name
-        # Each step, every rank past stage 0 received one message and every send was reaped.
+        # Each step, every rank past stage 0 received one message, and sends in flight stay bounded.
         sync = [r["pp_sync"] for r in reports]
         received = first["steps"] * (len(reports) - len(reports) // pp)
         assert sum(s["sent"] for s in sync) == sum(s["received"] for s in sync) == received, name
-        assert all(s["reaped"] == s["sent"] for s in sync), name
+        assert max(r["most_pending_sends"] for r in reports) <= REAP_AGE_STEPS, name
 
 
 def test_a_divergent_cache_decision_on_one_rank_is_caught():

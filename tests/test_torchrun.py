@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from hicache_async.sim.launcher import free_port
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
@@ -18,12 +19,6 @@ HICACHE = str(BIN / "hicache-async")
 TESTS = Path(__file__).parent
 TRACE = str(TESTS / "data" / "short_trace.jsonl")
 RUN_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(nproc: int, *args: str, cwd: Path, fault: str | None = None) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+from ..engine.virtual_clock import CostModel
 from ..errors import HiCacheError, UsageError
 from ..transfer import faults
 from .storage_flags import add_storage_flags, storage_options
@@ -63,7 +64,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="the engine's prefill cost per prompt token: what an L3 prefetch must beat "
                         "(replay: also the virtual clock's cost; default simulate 50, replay 20)")
     p.add_argument("--l3-gbps", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
-                   default=1.0, metavar="GB/S", help="L3 throughput assumed until prefetches measure it")
+                   default=CacheConfig.l3_gbps, metavar="GB/S", help="L3 throughput assumed until prefetches measure it")
     p.add_argument("--key-scheme", choices=KEY_SCHEMES, default="rank-suffix")
     p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sim = sub.add_parser("simulate", help="run the multi-turn workload on simulated ranks")
     _add_run_flags(sim)
-    sim.set_defaults(device_pages=48, host_pages=192, page_size=16, prefill_us_per_token=50.0)
+    sim.set_defaults(device_pages=48, host_pages=192, page_size=16,
+                     prefill_us_per_token=CacheConfig.prefill_us_per_token)
     sim.add_argument("--attention", choices=("mha", "mla"), default="mha")
     sim.add_argument("--requests", type=_positive, default=48)
     sim.add_argument("--turns", type=_positive, default=4)
@@ -88,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="serve a Mooncake-format trace, every reused page verified")
     rep.add_argument("trace", metavar="TRACE", help="JSONL: timestamp, input_length, output_length, hash_ids")
     _add_run_flags(rep)
-    rep.set_defaults(device_pages=4096, host_pages=16384, page_size=64, prefill_us_per_token=20.0)
+    rep.set_defaults(device_pages=4096, host_pages=16384, page_size=64,
+                     prefill_us_per_token=CostModel.prefill_us_per_token)
     rep.add_argument("--limit", type=_positive, metavar="N", help="replay the first N requests")
     rep.add_argument("--max-output", type=_positive, metavar="TOKENS",
                      help="cap each request's output_length (default: honour it)")
@@ -116,13 +119,13 @@ def _cache_config(ns: argparse.Namespace) -> CacheConfig:
                        prefill_us_per_token=ns.prefill_us_per_token, l3_gbps=ns.l3_gbps)
 
 
-def _run_args(ns: argparse.Namespace, cls=None, **extra):
+def _run_args(ns: argparse.Namespace):
     from ..sim.simulate import RunArgs
 
-    return (cls or RunArgs)(
+    return RunArgs(
         tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_options=storage_options(ns),
-        l3_capacity=ns.l3_capacity, seed=ns.seed, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
-        storage_optional=ns.storage_optional, **extra)
+        l3_capacity=ns.l3_capacity, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
+        storage_optional=ns.storage_optional)
 
 
 def _write_json(result, path: str | None) -> None:
@@ -134,12 +137,12 @@ def _write_json(result, path: str | None) -> None:
 def _simulate(ns: argparse.Namespace) -> int:
     from ..engine.model import ModelConfig
     from ..engine.workload import WorkloadSpec
-    from ..sim.simulate import SimulateArgs, print_summary, run
+    from ..sim.simulate import print_summary, run
 
     cache = _cache_config(ns)
     spec = WorkloadSpec(requests=ns.requests, turns=ns.turns, max_new=ns.max_new, seed=ns.seed)
     model = ModelConfig(attention=ns.attention, seed=ns.seed)
-    args = _run_args(ns, SimulateArgs, attention=ns.attention, requests=ns.requests)
+    args = _run_args(ns)
     result = run(args, cache, spec, model)
     print_summary(result)
     _write_json(result, ns.json)
@@ -148,15 +151,14 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 def _replay(ns: argparse.Namespace) -> int:
     from ..engine.replay_workload import ReplaySpec
-    from ..engine.virtual_clock import CostModel
     from ..sim import capacity
     from ..sim.replay import print_summary, run
 
     cache = _cache_config(ns)
     args = _run_args(ns)
-    costs = {k: getattr(ns, k) for k in ("prefill_us_per_token", "decode_us_per_step") if getattr(ns, k) is not None}
+    decode = {} if ns.decode_us_per_step is None else {"decode_us_per_step": ns.decode_us_per_step}
     spec = ReplaySpec(trace=ns.trace, limit=ns.limit, seed=ns.seed, max_output=ns.max_output,
-                      costs=CostModel(**costs))
+                      costs=CostModel(prefill_us_per_token=ns.prefill_us_per_token, **decode))
     if not ns.sweep:
         if ns.plot or ns.csv:
             raise UsageError(f"{'--plot' if ns.plot else '--csv'} needs --sweep NAME=A,B,C")

@@ -57,4 +57,4 @@ class ReplayKV:
 
     def expected(self, hashes: list[str], layer: int) -> torch.Tensor:
         """What `KVCheck` compares with: the KV of one local layer of pages named by hex hash."""
-        return self.pages([int(h[:8], 16) for h in hashes], layer)
+        return self.pages([page_seed(bytes.fromhex(h[:8])) for h in hashes], layer)

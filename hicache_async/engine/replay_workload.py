@@ -77,11 +77,10 @@ class ReplayWorkload:
                  clock: VirtualClock) -> None:
         self.trace, self.spec, self.page_size, self.clock = trace, spec, page_size, clock
         self._next = 0
-        self._in_flight = 0
         self.completed = 0
 
     def arrivals(self) -> list[Request]:
-        if self._in_flight == 0 and self._next < len(self.trace):
+        if self._next == self.completed and self._next < len(self.trace):   # none in flight
             self.clock.jump_to(self.trace[self._next].timestamp_ms * 1e3)   # idle: skip ahead
         out = []
         while self._next < len(self.trace) and self.trace[self._next].timestamp_ms * 1e3 <= self.clock.now_us:
@@ -90,11 +89,9 @@ class ReplayWorkload:
             out.append(Request(req.line, prompt.tolist(), self.spec.max_new(req),
                                tag=ReplaySeq(req, prompt, self.page_size)))
             self._next += 1
-        self._in_flight += len(out)
         return out
 
     def complete(self, req: Request) -> None:
-        self._in_flight -= 1
         self.completed += 1
 
     @property

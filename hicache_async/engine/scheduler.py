@@ -29,7 +29,6 @@ class Scheduler:
         self.model, self.plugin = model, plugin
         self.witness = witness or KVWitness()
         layout = model.kv_layout(page_size)
-        self.device_pages = device_pages
         self.pool = DevicePool(layout, device_pages)
         plugin.attach(EngineContext(layout, self.pool, model.coords, run_id, model.groups))
         self.forwards = 0
@@ -55,7 +54,7 @@ class Scheduler:
             if not running and not admitted:
                 if waiting and not plugin.busy():
                     raise PoolExhausted(f"request {waiting[0].id} cannot be admitted and nothing is in "
-                                        f"flight: the device pool ({self.device_pages} pages) is too small")
+                                        f"flight: the device pool ({self.pool.num_pages} pages) is too small")
                 await plugin.wait_progress(IDLE_WAIT_S)   # until copy or storage work completes
                 continue
             running += admitted

@@ -107,7 +107,7 @@ class Admissions:
         state = self.requests.get(req.id)
         return state.origin if state is not None else []
 
-    async def layer_ready(self, reqs: list[Request], layer: int, where: str) -> None:
+    async def layer_ready(self, reqs: list[Request], layer: int) -> None:
         for req in reqs:
             state = self.requests.get(req.id)
             op = state.load if state is not None else None
@@ -115,9 +115,9 @@ class Admissions:
                 continue
             event = op.events[layer]
             if not event.query():
-                await event.wait(self.config.sync_timeout_s, f"{where}: load of layer {layer}")
+                await event.wait(self.config.sync_timeout_s, f"{self.tracer.coords.label()}: load of layer {layer}")
             if event.error is not None:
-                raise CopyFailed(f"{where}: load op of {op.pages} pages for request {req.id} failed: "
+                raise CopyFailed(f"{self.tracer.coords.label()}: load op of {op.pages} pages for request {req.id} failed: "
                                  f"{event.error}")
 
     def finish(self, req: Request) -> None:

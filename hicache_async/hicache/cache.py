@@ -70,24 +70,24 @@ class TieredCache:
         """`pages` device pages for a request whose cached prefix is `match`: the device hits,
         then fresh pages, the first of which the host hits are loaded into. The prefix stays
         locked on the device until `finish`. None if there is no room this step."""
-        lock = match.last_node
-        fresh = self.alloc_device(pages - len(match.device_pages), keep=lock)
+        lock, hits = match.last_node, match.device_pages
+        fresh = self.alloc_device(pages - len(hits), keep=lock)
         if fresh is None:
             return None
         self.tree.lock_device(lock)
-        origin, load = ["l1"] * len(match.device_pages), None
+        origin, load = ["l1"] * len(hits), None
         if match.host_nodes:
             load = self._load(match.host_nodes, fresh[: match.host_tokens // self.config.page_size], request_id)
             for n in match.host_nodes:      # a page fetched from L3 counts as L3 at its first use
                 origin += ["l3" if n.fetched else "l2"] * n.num_pages
                 n.fetched = False
-        return Admitted(match.device_pages + fresh, lock, load, origin)
+        return Admitted(hits + fresh, lock, load, origin)
 
     def finish(self, tokens: list[int], pages: list[int], hashes: list[str], lock: Node | None) -> None:
         """Cache a finished request's full pages (`tokens` spans exactly them), free the rest of
         its `pages`, and unlock the prefix its admission locked."""
         full = len(tokens) // self.config.page_size
-        self.device.alloc.release(self.insert(tokens, pages[:full], hashes) + pages[full:])
+        self.free_device(self.insert(tokens, pages[:full], hashes) + pages[full:])
         self.tree.lock_device(lock, -1)
 
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
@@ -135,7 +135,7 @@ class TieredCache:
         for node in self.tree.lru_device_leaves():
             if node.host is not None:
                 self.note("evict-device", node.id)
-                self.device.alloc.release(self.tree.evict_device(node))
+                self.free_device(self.tree.evict_device(node))
                 return True
             if self.config.write_policy in WRITE_ON_EVICT and self.write(node):
                 return True     # locked until its write retires; the next pass tries other leaves
@@ -148,8 +148,8 @@ class TieredCache:
     def _drop(self, node: Node) -> None:
         device, host = self.tree.remove(node)
         self.dropped_pages += len(device) + len(host)
-        self.device.alloc.release(device)
-        self.host.alloc.release(host)
+        self.free_device(device)
+        self.free_host(host)
 
     @contextmanager
     def _holding(self, node: Node | None) -> Iterator[None]:

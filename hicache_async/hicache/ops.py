@@ -97,9 +97,8 @@ class AckQueue:
 async def settle(op: CacheOp, step: int, tracer: OpTracer, timeout_s: float, attrs: dict | None = None) -> None:
     """Retire an op every rank agreed is done: a later pipeline stage may get there before its
     own copy finished, so await it (bounded); a failed copy stops the run, naming the op."""
-    where = tracer.coords.label()
     if not op.done.query():
-        await op.done.wait(timeout_s, f"{where}: {op.kind} op at step {step}")
+        await op.done.wait(timeout_s, f"{tracer.coords.label()}: {op.kind} op at step {step}")
     if op.done.error is not None:
-        raise CopyFailed(f"{where}: {op.kind} op of {op.pages} pages failed: {op.done.error}")
+        raise CopyFailed(f"{tracer.coords.label()}: {op.kind} op of {op.pages} pages failed: {op.done.error}")
     tracer.retired(op, step, attrs)

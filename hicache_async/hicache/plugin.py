@@ -82,7 +82,7 @@ class HiCachePlugin(KVPlugin):
         return self.admissions.fetching(req)
 
     async def layer_ready(self, reqs: list[Request], layer: int) -> None:
-        await self.admissions.layer_ready(reqs, layer, self.engine.coords.label())
+        await self.admissions.layer_ready(reqs, layer)
 
     def finish(self, req: Request) -> None:
         self.admissions.finish(req)

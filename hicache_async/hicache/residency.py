@@ -67,22 +67,23 @@ class Residency:
         Locks cover whole paths so that splitting a locked node leaves both halves
         covered, and the later unlock of the lower half releases the upper one too.
         """
-        for n in self.path_to(node):
-            n.device_lock += delta
-            assert n.device_lock >= 0, f"device lock of node {n.id} went negative"
-            self._refile(n)
+        self._lock(node, delta, 0)
 
     def lock_host(self, node: Node | None, delta: int = 1) -> None:
         """Like `lock_device`, against host eviction."""
-        for n in self.path_to(node):
-            n.host_lock += delta
-            assert n.host_lock >= 0, f"host lock of node {n.id} went negative"
-            self._refile(n)
+        self._lock(node, 0, delta)
 
     def pin(self, node: Node | None, delta: int = 1) -> None:
         """Lock (or unlock) `node`'s path on both tiers: an op in flight, or a graft point."""
-        self.lock_device(node, delta)
-        self.lock_host(node, delta)
+        self._lock(node, delta, delta)
+
+    def _lock(self, node: Node | None, device: int, host: int) -> None:
+        """One walk of the path for both tiers: pins run for every op retired each step."""
+        for n in self.path_to(node):
+            n.device_lock += device
+            n.host_lock += host
+            assert n.device_lock >= 0 and n.host_lock >= 0, f"a lock of node {n.id} went negative"
+            self._refile(n)
 
     def removable(self, node: Node) -> bool:
         """Whether no node in `node`'s subtree is locked on either tier.

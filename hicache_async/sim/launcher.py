@@ -58,7 +58,7 @@ def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: 
         spec = json.dumps({
             "tp": tp, "pp": pp, "cp": cp, "target": target, "payload": payload,
             "timeout_s": timeout_s, "run_id": run_id or uuid.uuid4().hex[:12],
-            "init_method": f"tcp://127.0.0.1:{_free_port()}", "parent_pid": os.getpid(),
+            "init_method": f"tcp://127.0.0.1:{free_port()}", "parent_pid": os.getpid(),
         })
     except TypeError as exc:
         raise UsageError(f"payload is not JSON-serialisable: {exc}") from None
@@ -157,7 +157,7 @@ def _quiet_spawn() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -68,11 +68,11 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
     exit the plugin is exited, then the storage it used closed."""
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
-    agreement = (LocalAgreement() if ctx.coords.world_size == 1
-                 else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
-    plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
-                         storage_name=storage_spec["name"] if storage_spec else "none")
     try:
+        agreement = (LocalAgreement() if ctx.coords.world_size == 1
+                     else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
+        plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
+                             storage_name=storage_spec["name"] if storage_spec else "none")
         async with plugin:
             yield plugin
     finally:

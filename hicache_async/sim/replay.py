@@ -13,6 +13,7 @@ from ..engine.replay_trace import read_trace
 from ..engine.replay_workload import ReplaySpec
 from ..errors import UsageError
 from ..parallel.topology import check_topology
+from ..request import pages_needed
 from . import torchrun
 from .oracle import unbounded_oracle
 from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
@@ -25,7 +26,7 @@ def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelS
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads, attention="mha")
     torchrun.check_world(args.tp, args.pp, args.cp)
     biggest = max(trace, key=lambda r: r.input_length + spec.max_new(r))
-    need = -(-(biggest.input_length + spec.max_new(biggest) - 1) // cache.page_size)
+    need = pages_needed(biggest.input_length, spec.max_new(biggest), cache.page_size)
     if need > cache.device_pages:
         raise UsageError(f"--device-pages {cache.device_pages} cannot hold the request at {spec.trace}:"
                          f"{biggest.line} ({biggest.input_length} prompt + {spec.max_new(biggest)} output "

@@ -39,20 +39,13 @@ class RunArgs:
     storage: str = DEFAULT_STORAGE
     storage_options: dict = field(default_factory=dict)   # the backend's own flags, by dest
     l3_capacity: int | None = None     # bytes; only backends that take a capacity
-    seed: int = 0
     timeout_s: float = 60.0
     trace_file: str | None = None
     log_json: bool = False
     storage_optional: bool = False
 
 
-@dataclass
-class SimulateArgs(RunArgs):
-    attention: str = "mha"
-    requests: int = 48
-
-
-def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
+def run(args: RunArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
     check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
                    attention=model.attention, q_heads=model.q_heads)
     torchrun.check_world(args.tp, args.pp, args.cp)
@@ -69,7 +62,7 @@ def run(args: SimulateArgs, cache: CacheConfig, spec: WorkloadSpec, model: Model
         recorder.save(payload["kv_reference"])
         reports, run_id, cached_s = launch_ranks(args, "hicache_async.sim.rank_main:run_rank", payload,
                                                  spec.requests, "simulate", scratch=kv_dir)
-    return summarize(args, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
+    return summarize(args, model.attention, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
 
 
 def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str,
@@ -119,10 +112,10 @@ def storage_spec(args: RunArgs, cold: bool = False):
         yield None if options is None else {"name": args.storage, "options": options}
 
 
-def summarize(args: SimulateArgs, reports: list[dict], reference: dict, run_id: str, seconds: float,
-              storage_used: str) -> dict:
+def summarize(args: RunArgs, attention: str, reports: list[dict], reference: dict, run_id: str,
+              seconds: float, storage_used: str) -> dict:
     first = reports[0]
-    return {"attention": args.attention, "requests": len(first["outputs"]),
+    return {"attention": attention, "requests": len(first["outputs"]),
             "outputs_match_reference": first["outputs"] == reference,
             **rank_figures(args, reports, run_id, seconds, storage_used)}
 

@@ -113,6 +113,7 @@ class Ahead:
         self._group_of = [g for g, r in enumerate(self._groups) for _ in r]
         self._futures: list[Future | _Done | None] = [None] * len(self._groups)
         self._done = [False] * len(self._groups)
+        self._pool = checksum_pool()
         self._lock = threading.Lock()
         self.used = [False] * len(sizes)
 
@@ -126,7 +127,7 @@ class Ahead:
             ahead, h = 0, g
             while h < len(self._groups) and (h == g or ahead < window):
                 if self._futures[h] is None:
-                    self._futures[h] = checksum_pool().submit(self._work, self._groups[h])
+                    self._futures[h] = self._pool.submit(self._work, self._groups[h])
                 ahead += self._bytes[h]
                 h += 1
             future = self._futures[g]

@@ -91,6 +91,12 @@ class HostEvent(CompletionEvent):
             self._waiters.append((asyncio.get_running_loop(), woken))
             return True
 
+    def unsubscribe(self, woken: anyio.Event) -> None:
+        """Forget `woken`: a wait that timed out must not leave a waiter for set() to wake (an
+        idle loop waits on a long storage op's event many times over)."""
+        with self._lock:
+            self._waiters = [w for w in self._waiters if w[1] is not woken]
+
     async def wait(self, timeout_s: float, what: str) -> None:
         woken = anyio.Event()
         if not self.subscribe(woken):
@@ -100,6 +106,8 @@ class HostEvent(CompletionEvent):
                 await woken.wait()
         except TimeoutError:
             raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
+        finally:
+            self.unsubscribe(woken)
 
 
 class CudaEvent(CompletionEvent):
@@ -127,5 +135,9 @@ async def first_completion(events: list[CompletionEvent], timeout_s: float) -> N
                 await anyio.sleep(_MAX_SLEEP_S)
             return
         woken = anyio.Event()
-        if all(e.subscribe(woken) for e in events):
-            await woken.wait()
+        try:
+            if all(e.subscribe(woken) for e in events):
+                await woken.wait()
+        finally:
+            for e in events:
+                e.unsubscribe(woken)

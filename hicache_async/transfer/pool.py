@@ -54,6 +54,10 @@ class DevicePool:
         self.tensor = torch.zeros((layout.num_layers, num_pages, *layout.layer_page_shape),
                                   dtype=layout.dtype, device=device)
 
+    @property
+    def num_pages(self) -> int:
+        return self.alloc.num_pages
+
 
 class HostPool:
     """L2: page-major so one page of every local layer is one contiguous run of bytes.

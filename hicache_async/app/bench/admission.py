@@ -37,9 +37,7 @@ class _Workload:
         self.requests = 0
         self.steps = 0
         for _ in range((pages - GROUPS * SHARED) // UNIQUE):   # fill without eviction: fast at any size
-            tokens = self._tokens()
-            admitted = self.cache.admit(self.cache.match(tokens), len(tokens) // PAGE, self.requests)
-            self.cache.finish(tokens, admitted.pages, HASHES, admitted.lock)
+            self.admit()
 
     def _tokens(self) -> list[int]:
         g = self.requests % GROUPS
