@@ -4,10 +4,10 @@ import asyncio
 import pytest
 import torch
 
+from hicache_async.clock import OpClock
 from hicache_async.config import CacheConfig
 from hicache_async.errors import PoolExhausted, SyncTimeout
 from hicache_async.hicache.cache import TieredCache
-from hicache_async.clock import OpClock
 from hicache_async.hicache.ledger import Ledger, StepMessage
 from hicache_async.hicache.op_tracing import OpTracer
 from hicache_async.hicache.ops import CacheOp

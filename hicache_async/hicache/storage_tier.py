@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+
 import anyio
 from anyio.abc import TaskGroup
 from opentelemetry import trace
