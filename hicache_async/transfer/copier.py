@@ -181,8 +181,8 @@ def _mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     no staging copy (what SGLang's I/O kernels do)."""
     if not host.is_pinned():
         raise HiCacheError("the host pool must be pinned for device copies")
-    view = torch.as_tensor(_CudaArray(host))      # no device argument: that would copy
-    if view.device != device or view.data_ptr() != host.data_ptr():
-        raise HiCacheError(f"the host pool is mapped to {view.device}, the device pool is on {device}: "
-                           "set the rank's CUDA device before creating the pools")
+    view = torch.as_tensor(_CudaArray(host), device=device)
+    if view.data_ptr() != host.data_ptr():      # torch copied it instead of aliasing
+        raise HiCacheError(f"could not map the pinned host pool into {device}: set the rank's CUDA "
+                           "device before creating the pools")
     return view.view(host.dtype).view(host.shape)
