@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from hicache_async.transfer import copier
 from hicache_async.transfer.copier import PagePlan
 from page_patterns import LAYOUTS, PATTERNS, assert_round_trip
 
@@ -26,3 +27,11 @@ def test_a_layer_is_staged_when_neither_side_is_a_run(src, dst):
     plan = PagePlan.of(src, dst, ROWS)
     assert plan.src_run is None and plan.dst_run is None
     assert plan.src.tolist() == src and plan.dst.tolist() == dst and plan.stage.shape == (len(src), 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_stage_smaller_than_the_op_moves_it_a_stage_at_a_time(layout, monkeypatch):
+    monkeypatch.setattr(copier, "_STAGE_BYTES", 2 * layout.layer_page_bytes)
+    rows = torch.zeros(16, layout.layer_page_bytes, dtype=torch.uint8)
+    assert len(PagePlan.of([1, 3, 8], [5, 0, 7], rows).stage) == 2
+    assert_round_trip(layout, *PATTERNS["random"], device="cpu")      # 9 pages, 2 at a time

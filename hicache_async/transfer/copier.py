@@ -22,6 +22,7 @@ from .pool import DevicePool, HostPool
 # Slabs move as the widest word that divides them: the index kernels copy one element at a
 # time, so wider elements are fewer steps (complex128 copies bits exactly, like an integer).
 _WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+_STAGE_BYTES = 16 << 20     # the most a layer stages at once, when neither side is a run
 
 
 class CopyFailed(HiCacheError):
@@ -34,8 +35,8 @@ class PagePlan:
 
     When one side's pages, in some order of the pairs, are one consecutive run, a layer is
     one pass: a gather straight into the destination run, or a scatter straight from the
-    source run. Otherwise it is a gather into `stage` and a scatter out of it (the stage
-    stays in cache; two passes over main memory cost what one copy does in traffic).
+    source run. Otherwise it is a gather into `stage` and a scatter out of it, a stage's
+    worth of pages at a time (a bounded stage: device memory is the KV pool's).
     """
 
     src: torch.Tensor                 # source page of each slab
@@ -53,8 +54,10 @@ class PagePlan:
             return cls(_index([s for _, s in by_dst], rows), _index([], rows), dst_run=dst_run)
         if src_run is not None:
             return cls(_index([], rows), _index([d for _, d in by_src], rows), src_run=src_run)
-        stage = (torch.empty((len(src_pages), rows.shape[1]), dtype=rows.dtype, device=rows.device)
-                 if src_pages else None)
+        if not src_pages:
+            return cls(_index([], rows), _index([], rows))
+        pages = min(len(src_pages), max(1, _STAGE_BYTES // (rows.shape[1] * rows.element_size())))
+        stage = torch.empty((pages, rows.shape[1]), dtype=rows.dtype, device=rows.device)
         return cls(_index(src_pages, rows), _index(dst_pages, rows), stage=stage)
 
     @property
@@ -68,7 +71,9 @@ class PagePlan:
         elif self.src_run is not None:
             dst.index_copy_(0, self.dst, src[self.src_run])
         elif self.stage is not None:
-            dst.index_copy_(0, self.dst, torch.index_select(src, 0, self.src, out=self.stage))
+            size = len(self.stage)
+            for s, d in zip(self.src.split(size), self.dst.split(size)):
+                dst.index_copy_(0, d, torch.index_select(src, 0, s, out=self.stage[:len(s)]))
 
 
 def _run(pages: list[int]) -> slice | None:
