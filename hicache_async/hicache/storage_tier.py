@@ -59,8 +59,9 @@ class StorageTier:
             self._start(op, self.store.backup, op.hashes, op.host_pages, self.backups)
 
     def prefetch(self, request_id: int, parent: Node | None, tokens: list[int], first_page: int,
-                 hashes: list[str]) -> StorageOp | None:
-        """Fetch pages `first_page..` of `tokens` into fresh host pages; None if no room."""
+                 hashes: list[str], salt: str | None = None) -> StorageOp | None:
+        """Fetch pages `first_page..` of `tokens` (tenant `salt`'s) into fresh host pages; None
+        if no room."""
         n = len(hashes) - first_page
         pages = self.cache.alloc_host(n, keep=parent)   # room, but not by evicting the graft point
         if pages is None:
@@ -69,7 +70,7 @@ class StorageTier:
         self.cache.note("prefetch", request_id, first_page, n)
         op = StorageOp("prefetch", parent, [HostEvent()], n, n * self.cache.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
-                       first_page=first_page, deadline=time.monotonic() + self._patience(n))
+                       first_page=first_page, salt=salt, deadline=time.monotonic() + self._patience(n))
         self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel), hashes[first_page:],
                     pages, self.prefetches, (request_id,))
         return op
@@ -181,7 +182,7 @@ class StorageTier:
         cache.note("prefetch-done", op.request_id, agreed_pages)
         unused = op.host_pages[agreed_pages:]
         if agreed_pages:
-            unused += cache.graft(list(op.tokens), op.first_page, op.hashes, op.host_pages[:agreed_pages])
+            unused += cache.graft(list(op.tokens), op.first_page, op.hashes, op.host_pages[:agreed_pages], op.salt)
         cache.free_host(unused)
         self._count_errors(op)
 
