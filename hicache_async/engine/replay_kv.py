@@ -7,8 +7,8 @@ page look right. The KV of element (page, global layer, plane, offset, global he
 mixed from 32 bits of the page's name and a per-element constant of the whole model, sliced
 to this rank's layers and heads. Any tier, rank or process can then say what a cached page
 must hold, which is how every reused page is verified byte for byte (a wrong page passes by
-chance with probability 2**-32), and a hit across tenants is a mismatch. 32-bit lanes halve the cost of 64-bit ones: at trace scale this
-function runs over billions of elements.
+chance with probability 2**-32), and a hit across tenants is a mismatch. 32-bit lanes halve
+the cost of 64-bit ones: at trace scale this function runs over billions of elements.
 
 Values are float16 built from bits: sign, exponent 14 or 15 and 10 random mantissa bits,
 so every value is finite, exact and in +-[0.5, 2); no rounding ever depends on batching.

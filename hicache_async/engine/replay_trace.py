@@ -2,8 +2,9 @@
 
 One JSON object a line: `timestamp` (ms from the start), `input_length`, `output_length` and
 `hash_ids`, one id per 512-token block of the prompt (the last block may be partial), and an
-optional `cache_salt` naming the request's tenant. Equal ids stand for equal blocks, so each block's tokens are a pure function of (seed, id): shared
-prefixes in the trace stay shared token prefixes here, and so shared cache pages.
+optional `cache_salt` naming the request's tenant. Equal ids stand for equal blocks, so each
+block's tokens are a pure function of (seed, id): shared prefixes in the trace stay shared
+token prefixes here, and so shared cache pages.
 """
 from __future__ import annotations
 
@@ -131,5 +132,5 @@ def prompt_page_ids(req: TraceRequest, page_size: int, seed: int = 0,
 def output_page_id(prefixes: np.ndarray, input_length: int, page: int) -> int:
     """The name of page `page` of a request whose prompt ends inside or before it: its outputs
     are a function of the prompt, so (the prompt's last prefix, its length, the page) fix it."""
-    x = splitmix64(np.array([input_length | 1 << 63, page], dtype=np.uint64))
-    return int(splitmix64(prefixes[-1:] ^ x[0] ^ splitmix64(x[1:]))[0])
+    length, place = splitmix64(np.array([[input_length | 1 << 63], [page]], dtype=np.uint64))
+    return int(splitmix64(prefixes[-1:] ^ length ^ splitmix64(place))[0])   # arrays wrap without warnings

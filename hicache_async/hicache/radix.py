@@ -97,6 +97,7 @@ class RadixTree(Residency):
         self.nodes: dict[int, Node] = {}
 
     def tenant_root(self, salt: str | None) -> Node:
+        """The root of `salt`'s tree, made on first use; one empty node a tenant, kept."""
         if salt is None:
             return self.root
         root = self._tenants.get(salt)
