@@ -52,7 +52,7 @@ class Admissions:
             raise PoolExhausted(f"request {req.id} needs {need} device pages but --device-pages is "
                                 f"{self.config.device_pages}")
         tokens = req.prompt[:-1]       # the last prompt token is always computed, for its logits
-        match = self.cache.match(tokens)
+        match = self.cache.match(tokens, req.cache_salt)
         if self.l3 is not None and not state.l3_considered:
             state.l3_considered = True
             if self._start_prefetch(req, state, tokens, match):
@@ -85,8 +85,9 @@ class Admissions:
         state.decision = self.prefetch_cost.decide(missing, missing * ps)
         if not state.decision.fetch:
             return False
-        hashes = page_hashes(tokens[: full * ps], ps)
-        op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes)
+        hashes = page_hashes(tokens[: full * ps], ps, salt=req.cache_salt)
+        op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes,
+                              salt=req.cache_salt)
         if op is None:
             return False
         if op.span is not None and op.span.is_recording():
@@ -124,7 +125,8 @@ class Admissions:
         state = self.requests.pop(req.id)
         ps = self.config.page_size
         tokens = req.kv_tokens[: req.kv_len // ps * ps]
-        self.cache.finish(tokens, req.pages, page_hashes(tokens, ps), state.lock)
+        self.cache.finish(tokens, req.pages, page_hashes(tokens, ps, salt=req.cache_salt), state.lock,
+                          req.cache_salt)
         req.pages = []
 
     def _count(self, stat: str, n: int) -> None:

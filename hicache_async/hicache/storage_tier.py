@@ -59,8 +59,9 @@ class StorageTier:
             self._start(op, self.store.backup, op.hashes, op.host_pages)
 
     def prefetch(self, request_id: int, parent: Node | None, tokens: list[int], first_page: int,
-                 hashes: list[str]) -> StorageOp | None:
-        """Fetch pages `first_page..` of `tokens` into fresh host pages; None if no room."""
+                 hashes: list[str], salt: str | None = None) -> StorageOp | None:
+        """Fetch pages `first_page..` of `tokens` (tenant `salt`'s) into fresh host pages; None
+        if no room."""
         n = len(hashes) - first_page
         pages = self.cache.alloc_host(n, keep=parent)   # room, but not by evicting the graft point
         if pages is None:
@@ -69,7 +70,7 @@ class StorageTier:
         self.ledger.note("prefetch", request_id, first_page, n)
         op = StorageOp(TransferKind.PREFETCH, parent, [HostEvent()], n, n * self.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
-                       first_page=first_page, deadline=self.ledger.clock.now() + self._patience(n))
+                       first_page=first_page, salt=salt, deadline=self.ledger.clock.now() + self._patience(n))
         self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel), hashes[first_page:],
                     pages, [request_id])
         return op
@@ -151,7 +152,8 @@ class StorageTier:
         self.ledger.note("prefetch-done", op.request_id, op.committed)
         unused = op.host_pages[op.committed:]
         if op.committed:
-            unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed])
+            unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed],
+                                           op.salt)
         self.host.alloc.release(unused)
         self._count_errors(op)
 

@@ -51,7 +51,7 @@ async def _replay(ctx) -> dict:
     clock = VirtualClock()
     model = ReplayModel(ReplayModelSpec(**ctx.payload["model"]), ps, clock, spec.costs, ctx.coords, ctx.groups)
     layout = model.kv_layout(ps)
-    check = KVCheck(model.kv.expected, layout, ctx.coords, exact=True)
+    check = KVCheck(model.kv, layout, ctx.coords, exact=True)
     workload = ReplayWorkload(read_trace(spec.trace, ps, spec.limit), spec, ps, clock)
     async with hicache_plugin(ctx, cache_cfg) as plugin:
         timed = TimedAdmission(plugin)
