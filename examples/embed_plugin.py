@@ -8,12 +8,8 @@ once per loop iteration.
 """
 import asyncio
 
-from hicache_async.config import CacheConfig
-from hicache_async.engine.model import ModelConfig, TinyModel
-from hicache_async.engine.scheduler import Scheduler
-from hicache_async.engine.workload import Workload, WorkloadSpec
-from hicache_async.hicache.plugin import HiCachePlugin
-from hicache_async.storage.memory import MemoryStorage
+from hicache_async import CacheConfig, HiCachePlugin, MemoryStorage
+from hicache_async.engine import ModelConfig, Scheduler, TinyModel, Workload, WorkloadSpec
 
 
 async def main() -> None:

@@ -14,11 +14,15 @@ import uuid
 import structlog
 import torch
 
-from hicache_async.layout import KVLayout
-from hicache_async.parallel.topology import RankCoords
-from hicache_async.telemetry.sdk import setup_telemetry
-from hicache_async.telemetry.spans import CacheMetrics, finish_transfer, request_link, start_transfer, step_span
-from hicache_async.transfer.pool import DevicePool, HostPool
+from hicache_async import DevicePool, HostPool, KVLayout, RankCoords
+from hicache_async.telemetry import (
+    CacheMetrics,
+    finish_transfer,
+    request_link,
+    setup_telemetry,
+    start_transfer,
+    step_span,
+)
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ from .clock import OpClock
 from .errors import UsageError
 from .layout import KVLayout
 from .parallel.topology import RankCoords
+from .pools import DevicePool
 from .request import Request
-from .transfer.pool import DevicePool
 
 GROUP = "hicache_async.plugins"
 

@@ -1,11 +1,11 @@
 """Helpers shared by tests: run the reference engine with a plugin in this process."""
 import asyncio
 
-from hicache_async.engine.kv_record import RecordedKV
 from hicache_async.engine.kv_witness import KVCheck
-from hicache_async.engine.model import ModelConfig, TinyModel
 from hicache_async.engine.scheduler import Scheduler
-from hicache_async.engine.workload import Workload, WorkloadSpec
+from hicache_async.engine.tiny.kv_record import RecordedKV
+from hicache_async.engine.tiny.model import ModelConfig, TinyModel
+from hicache_async.engine.tiny.workload import Workload, WorkloadSpec
 from hicache_async.hicache.plugin import HiCachePlugin
 from tests.reference_kv import reference
 

@@ -12,7 +12,7 @@ import random
 import torch
 
 from hicache_async.engine import ModelConfig, SeqChunk, TinyModel
-from hicache_async.sim.launcher import RankContext
+from hicache_async.sim.ranks.launcher import RankContext
 
 PAGE_SIZE = 4
 NUM_PAGES = 48

@@ -5,8 +5,8 @@ import random
 import torch
 
 from hicache_async.layout import KVLayout
+from hicache_async.pools import DevicePool, HostPool
 from hicache_async.transfer.copier import Copier
-from hicache_async.transfer.pool import DevicePool, HostPool
 
 POOL_PAGES = 16
 _rng = random.Random(16)

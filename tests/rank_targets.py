@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hicache_async.errors import UsageError
 from hicache_async.parallel.dist_wait import all_reduce
-from hicache_async.sim.launcher import RankContext
+from hicache_async.sim.ranks.launcher import RankContext
 
 
 def report_groups(ctx: RankContext) -> dict:

@@ -3,9 +3,9 @@ import hashlib
 import os
 import tempfile
 
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.reference import reference_run
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
+from hicache_async.sim.jobs.reference import reference_run
 
 _DIR = tempfile.TemporaryDirectory(prefix="hicache-test-kv-")   # lives as long as the test process
 

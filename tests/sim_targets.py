@@ -4,7 +4,7 @@ import time
 
 from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.prefetch_cost import PrefetchCost
-from hicache_async.sim.rank_main import run_rank
+from hicache_async.sim.jobs.simulate_rank import run_rank
 from hicache_async.transfer.page_store import PageStore
 
 

@@ -13,8 +13,8 @@ from hicache_async.layout import KVLayout
 from hicache_async.parallel.agreement import NOT_READY
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS, InFlightSends
 from hicache_async.parallel.topology import RankCoords
-from hicache_async.sim.launcher import launch
-from hicache_async.transfer.pool import DevicePool
+from hicache_async.pools import DevicePool
+from hicache_async.sim.ranks.launcher import launch
 from tests.agreement_targets import offer
 
 COORDS = RankCoords.of(0, 1, 2, 1)

@@ -2,8 +2,8 @@
 import pytest
 
 from hicache_async.config import CacheConfig
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.hicache.plugin import HiCachePlugin
 from tests.engine_run import assert_matches_reference
 

@@ -1,10 +1,10 @@
 """Each layer of a copy is one gather or scatter: any page pattern lands byte for byte."""
 import pytest
 import torch
+from page_patterns import LAYOUTS, PATTERNS, assert_round_trip
 
 from hicache_async.transfer import copier
 from hicache_async.transfer.copier import PagePlan
-from page_patterns import LAYOUTS, PATTERNS, assert_round_trip
 
 ROWS = torch.zeros(16, 4)     # one layer of a pool: 16 pages, slabs of 4 words
 

@@ -3,12 +3,12 @@ import asyncio
 
 import pytest
 import torch
-
-from hicache_async.layout import KVLayout
-from hicache_async.transfer.copier import Copier
-from hicache_async.transfer.events import CudaEvent
-from hicache_async.transfer.pool import DevicePool, HostPool
 from page_patterns import LAYOUTS, PATTERNS, assert_round_trip
+
+from hicache_async.events import CudaEvent
+from hicache_async.layout import KVLayout
+from hicache_async.pools import DevicePool, HostPool
+from hicache_async.transfer.copier import Copier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float16)

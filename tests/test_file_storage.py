@@ -9,11 +9,11 @@ import torch
 from hicache_async.errors import StorageError, UsageError
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
+from hicache_async.pools import HostPool
 from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
 from hicache_async.storage.base import run_abandonable
 from hicache_async.storage.file import FileStorage, object_name
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import HostPool
 
 
 def _files(root):
@@ -147,7 +147,7 @@ import torch
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import HostPool
+from hicache_async.pools import HostPool
 from hicache_async.storage import open_storage
 layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
 host = HostPool(layout, 3)

@@ -5,10 +5,10 @@ import time
 import pytest
 
 from hicache_async.config import CacheConfig
-from hicache_async.engine.kv_record import RecordedKV
 from hicache_async.engine.kv_witness import KVCheck
-from hicache_async.engine.model import ModelConfig, TinyModel
-from hicache_async.engine.workload import WorkloadSpec
+from hicache_async.engine.tiny.kv_record import RecordedKV
+from hicache_async.engine.tiny.model import ModelConfig, TinyModel
+from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.errors import StorageError
 from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.storage.base import call_abandoned

@@ -3,10 +3,10 @@ still equal the cache-less single-rank reference. File storage and a real moonca
 import pytest
 
 from hicache_async.config import CacheConfig
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.launcher import launch
-from hicache_async.sim.rank_main import payload_of
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
+from hicache_async.sim.jobs.simulate_rank import payload_of
+from hicache_async.sim.ranks.launcher import launch
 from tests.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 from tests.reference_kv import assert_like_reference, reference
 

@@ -17,7 +17,7 @@ import pytest
 from hicache_async.errors import HiCacheError, SyncTimeout, UsageError
 from hicache_async.parallel.dist_wait import wait_work
 from hicache_async.parallel.topology import RankCoords
-from hicache_async.sim.launcher import launch
+from hicache_async.sim.ranks.launcher import launch
 
 TESTS_DIR = Path(__file__).parent
 
@@ -164,7 +164,7 @@ def test_awaited_all_reduce_costs_about_a_blocking_one():
 LAUNCHER_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
-from hicache_async.sim.launcher import launch
+from hicache_async.sim.ranks.launcher import launch
 
 if __name__ == "__main__":
     try:

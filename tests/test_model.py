@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_async.engine import ModelConfig, SeqChunk, TinyModel
-from hicache_async.engine.attention import read_kv
-from hicache_async.engine.weights import layer_weights
+from hicache_async.engine.tiny.attention import read_kv
+from hicache_async.engine.tiny.weights import layer_weights
 from hicache_async.errors import UsageError
 from hicache_async.parallel.topology import RankCoords
-from hicache_async.sim.launcher import launch
+from hicache_async.sim.ranks.launcher import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

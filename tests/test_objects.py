@@ -3,6 +3,7 @@ import torch
 
 from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
 from hicache_async.layout import KVLayout
+from hicache_async.pools import HostPool
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer.objects import (
     HEADER_BYTES,
@@ -14,7 +15,6 @@ from hicache_async.transfer.objects import (
     verify,
 )
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import HostPool
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
 PAYLOAD = bytes(range(200))

@@ -7,6 +7,7 @@ import torch
 from hicache_async.clock import OpClock
 from hicache_async.config import CacheConfig
 from hicache_async.errors import PoolExhausted, SyncTimeout
+from hicache_async.events import HostEvent, first_completion
 from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.ledger import Ledger, StepMessage
 from hicache_async.hicache.op_tracing import OpTracer
@@ -14,9 +15,8 @@ from hicache_async.hicache.ops import CacheOp
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.topology import RankCoords
+from hicache_async.pools import DevicePool, HostPool, PageAllocator
 from hicache_async.transfer.copier import Copier
-from hicache_async.transfer.events import HostEvent, first_completion
-from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
 

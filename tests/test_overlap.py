@@ -7,10 +7,10 @@ import torch
 
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
+from hicache_async.pools import HostPool
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer import checksums
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import HostPool
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=64, page_size=16)   # 16 KiB pages
 

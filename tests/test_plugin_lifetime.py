@@ -14,9 +14,9 @@ from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.topology import RankCoords
+from hicache_async.pools import DevicePool, HostPool
 from hicache_async.request import Request
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import DevicePool, HostPool
 from tests.test_storage_scheduling import SlowStorage
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)

@@ -4,10 +4,10 @@ Every run must match the reference in tokens and in every cached page's KV."""
 import pytest
 
 from hicache_async.config import CacheConfig
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.launcher import launch
-from hicache_async.sim.rank_main import payload_of
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
+from hicache_async.sim.jobs.simulate_rank import payload_of
+from hicache_async.sim.ranks.launcher import launch
 from tests.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=24, turns=4, system_prompts=2, system_len=32, user_len=(8, 16),

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache_async.hicache.radix import RadixTree
-from hicache_async.transfer.pool import PageAllocator
+from hicache_async.pools import PageAllocator
 
 PS = 2
 

@@ -6,12 +6,12 @@ process starts, not thirty-six.
 import pytest
 
 from hicache_async.config import WRITE_POLICIES, CacheConfig
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.errors import DivergenceError
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS
-from hicache_async.sim.launcher import launch
-from hicache_async.sim.rank_main import payload_of
+from hicache_async.sim.jobs.simulate_rank import payload_of
+from hicache_async.sim.ranks.launcher import launch
 from tests.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=8, turns=4, system_prompts=1, system_len=32, user_len=(8, 16),

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_async.engine.replay_kv import ReplayKV
-from hicache_async.engine.replay_model import next_tokens
-from hicache_async.engine.replay_trace import TraceRequest, prompt_page_ids, prompt_tokens
-from hicache_async.engine.replay_workload import ReplaySeq
+from hicache_async.engine.replay.kv import ReplayKV
+from hicache_async.engine.replay.model import next_tokens
+from hicache_async.engine.replay.trace import TraceRequest, prompt_page_ids, prompt_tokens
+from hicache_async.engine.replay.workload import ReplaySeq
 from hicache_async.keys import page_digests, page_hashes
 from hicache_async.request import Request
-from hicache_async.sim.oracle import unbounded_oracle
+from hicache_async.sim.jobs.oracle import unbounded_oracle
 
 
 def _req(ids, n, line=1, ts=0.0, out=4, salt=None):

@@ -5,16 +5,16 @@ import time
 import anyio
 
 from hicache_async.config import CacheConfig
+from hicache_async.events import HostEvent
 from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.ops import CacheOp
 from hicache_async.hicache.storage_tier import SLICE_PAGES, StorageTier
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
+from hicache_async.pools import DevicePool, HostPool
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.transfer.events import HostEvent
 from hicache_async.transfer.page_store import PageStore
-from hicache_async.transfer.pool import DevicePool, HostPool
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
 LONG = 5 * SLICE_PAGES

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from hicache_async.app.cli import main
-from hicache_async.engine.replay_trace import read_trace
+from hicache_async.engine.replay.trace import read_trace
 from hicache_async.hicache.radix import RadixTree
 from hicache_async.keys import page_hashes, tenant_digest
-from hicache_async.sim.oracle import unbounded_oracle
+from hicache_async.sim.jobs.oracle import unbounded_oracle
 
 PROMPT = 1024            # two 512-token blocks: 16 pages of 64, 15 of them reusable (the last token is computed)
 REUSABLE = 15 * 64

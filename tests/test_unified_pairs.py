@@ -5,10 +5,10 @@ with empty L1/L2, gets L3 hits, and matches the reference in tokens and in every
 import shutil
 
 from hicache_async.config import CacheConfig
-from hicache_async.engine.model import ModelConfig
-from hicache_async.engine.workload import WorkloadSpec
-from hicache_async.sim.launcher import launch
-from hicache_async.sim.rank_main import payload_of
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.engine.tiny.workload import WorkloadSpec
+from hicache_async.sim.jobs.simulate_rank import payload_of
+from hicache_async.sim.ranks.launcher import launch
 from tests.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=12, turns=3, system_prompts=2, system_len=32, user_len=(8, 16),

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
-from ..engine.virtual_clock import CostModel
+from ..engine.replay.clock import CostModel
 from ..errors import HiCacheError, UsageError
 from ..transfer import faults
 from .storage_flags import add_storage_flags, storage_options
@@ -37,7 +37,7 @@ _non_negative_float = _number(float, "a number >= 0", lambda v: 0 <= v < float("
 
 
 def _size(text: str) -> int:
-    from ..sim.capacity import parse_size
+    from ..sim.jobs.capacity import parse_size
 
     try:
         return parse_size(text)
@@ -122,7 +122,7 @@ def _cache_config(ns: argparse.Namespace) -> CacheConfig:
 
 
 def _run_args(ns: argparse.Namespace):
-    from ..sim.simulate import RunArgs
+    from ..sim.jobs.harness import RunArgs
 
     return RunArgs(
         tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_options=storage_options(ns),
@@ -137,9 +137,9 @@ def _write_json(result, path: str | None) -> None:
 
 
 def _simulate(ns: argparse.Namespace) -> int:
-    from ..engine.model import ModelConfig
-    from ..engine.workload import WorkloadSpec
-    from ..sim.simulate import print_summary, run
+    from ..engine.tiny.model import ModelConfig
+    from ..engine.tiny.workload import WorkloadSpec
+    from ..sim.jobs.simulate import print_summary, run
 
     cache = _cache_config(ns)
     spec = WorkloadSpec(requests=ns.requests, turns=ns.turns, max_new=ns.max_new, seed=ns.seed, tenants=ns.tenants)
@@ -152,9 +152,9 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 
 def _replay(ns: argparse.Namespace) -> int:
-    from ..engine.replay_workload import ReplaySpec
-    from ..sim import capacity
-    from ..sim.replay import print_summary, run
+    from ..engine.replay.workload import ReplaySpec
+    from ..sim.jobs import capacity
+    from ..sim.jobs.replay import print_summary, run
 
     cache = _cache_config(ns)
     args = _run_args(ns)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.injected()       # an unknown fault name is a usage error before any work starts
         if ns.command == "bench":
             return _bench(ns)
-        from ..sim.torchrun import lead_or_follow  # under torchrun this process is one rank
+        from ..sim.ranks.torchrun import lead_or_follow  # under torchrun this process is one rank
         return lead_or_follow(lambda: {"simulate": _simulate, "replay": _replay}[ns.command](ns))
     except UsageError as exc:
         print(f"hicache-async: error: {exc}", file=sys.stderr)

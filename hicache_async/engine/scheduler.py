@@ -14,11 +14,11 @@ import anyio
 
 from ..api import EngineContext, KVPlugin
 from ..errors import PoolExhausted
+from ..pools import DevicePool
 from ..request import Request
-from ..transfer.pool import DevicePool
 from .kv_witness import KVWitness
-from .model import SeqChunk, TinyModel
-from .workload import Workload
+from .tiny.model import SeqChunk, TinyModel
+from .tiny.workload import Workload
 
 IDLE_WAIT_S = 0.05   # the longest an idle rank waits for a completion before stepping anyway
 

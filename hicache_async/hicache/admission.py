@@ -15,10 +15,11 @@ from ..keys import page_hashes
 from ..request import Request
 from ..transfer.copier import CopyFailed
 from .cache import TieredCache
+from .node import Node
 from .op_tracing import OpTracer
 from .ops import CacheOp, StorageOp
 from .prefetch_cost import Decision, PrefetchCost
-from .radix import Match, Node
+from .radix import Match
 from .storage_tier import StorageTier
 
 

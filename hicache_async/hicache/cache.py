@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from ..config import CacheConfig
 from ..kinds import TransferKind
 from ..parallel.topology import RankCoords
+from ..pools import DevicePool, HostPool
 from ..transfer.copier import Copier
-from ..transfer.pool import DevicePool, HostPool
 from .ledger import Ledger
+from .node import Node
 from .op_tracing import OpTracer
 from .ops import CacheOp
-from .radix import Match, Node, RadixTree
+from .radix import Match, RadixTree
 
 WRITE_ON_EVICT = ("write_back", "write_through_selective")
 

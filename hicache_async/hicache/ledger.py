@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..clock import OpClock
+from ..events import CompletionEvent
 from ..kinds import TransferKind
 from ..parallel.agreement import NOT_READY
 from ..transfer.copier import CopyFailed
-from ..transfer.events import CompletionEvent
 from .op_tracing import OpTracer
 from .ops import AckQueue, CacheOp, StorageOp
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .radix import Node
+    from .node import Node
 
 
 class LruLeaves:

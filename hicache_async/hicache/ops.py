@@ -7,9 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..events import CompletionEvent
 from ..kinds import TransferKind
-from ..transfer.events import CompletionEvent
-from .radix import Node
+from .node import Node
 
 
 @dataclass(eq=False)

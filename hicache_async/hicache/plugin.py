@@ -16,16 +16,16 @@ from anyio.abc import TaskGroup
 from ..api import EngineContext, KVPlugin
 from ..config import CacheConfig
 from ..errors import UsageError
+from ..events import first_completion
 from ..keys import make_key_scheme
 from ..kinds import TransferKind
 from ..parallel.agreement import Agreement, LocalAgreement
+from ..pools import HostPool
 from ..request import Request
 from ..storage.guarded import GuardedStorage
 from ..storage.traced import TracedStorage
 from ..telemetry import spans
-from ..transfer.events import first_completion
 from ..transfer.page_store import PageStore, StoreCounters
-from ..transfer.pool import HostPool
 from .admission import Admissions
 from .cache import TieredCache
 from .ledger import Ledger, StepMessage

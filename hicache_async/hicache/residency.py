@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .lru_leaves import LruLeaves
 
 if TYPE_CHECKING:
-    from .radix import Node
+    from .node import Node
 
 
 class Residency:

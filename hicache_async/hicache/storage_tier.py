@@ -24,12 +24,12 @@ from opentelemetry.trace import INVALID_SPAN
 
 from ..config import CacheConfig
 from ..errors import HiCacheError
+from ..events import HostEvent
 from ..kinds import TransferKind
-from ..transfer.events import HostEvent
 from ..transfer.page_store import PageStore
 from .cache import TieredCache
+from .node import Node
 from .ops import CacheOp, StorageOp
-from .radix import Node
 
 log = logging.getLogger(__name__)
 SLICE_PAGES = 64   # pages a worker moves before the op queues again

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..daemon_threads import DaemonThreads
 from ..errors import HiCacheError
-from ..transfer.events import HostEvent
+from ..events import HostEvent
 from .topology import RankCoords
 
 SPIN_S = 300e-6

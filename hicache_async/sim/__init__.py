@@ -1,3 +1,3 @@
-"""The harness around the reference engines: the rank launcher and rank entry points, the
-cache-less reference run, `simulate`, `replay`, the oracle and the capacity sweep.
-"""
+"""The harness around the engines: `ranks` starts simulated ranks (our launcher, or torchrun's
+processes) and `jobs` holds what runs on them (`simulate`, `replay`, the capacity sweep) with
+the run harness they share."""

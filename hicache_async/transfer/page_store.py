@@ -29,11 +29,11 @@ from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
 from ..parallel.topology import RankCoords
 from ..partition import cp_page_slice
+from ..pools import HostPool, tensor_bytes
 from ..storage.base import MISSING, StorageAdapter
 from . import faults
 from .checksums import Ahead, Behind
 from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
-from .pool import HostPool, tensor_bytes
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 

@@ -220,7 +220,7 @@ def default_metadata_url(master: str) -> str:
 def _dies_with_us():
     """A Popen preexec_fn: the child is SIGKILLed when this process dies, even by SIGKILL, so a
     killed CLI never leaves a master or holder behind."""
-    from hicache_async.sim.launcher import die_with_parent  # imports torch: not for `--help`
+    from hicache_async.sim.ranks.launcher import die_with_parent  # imports torch: not for `--help`
 
     parent = os.getpid()
     return lambda: die_with_parent(parent)

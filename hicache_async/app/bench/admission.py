@@ -14,7 +14,7 @@ from ...hicache.cache import TieredCache
 from ...hicache.ledger import StepMessage
 from ...kinds import TransferKind
 from ...layout import KVLayout
-from ...transfer.pool import DevicePool, HostPool
+from ...pools import DevicePool, HostPool
 from .figure import figure
 
 PAGE = 16

@@ -13,9 +13,9 @@ from ...config import CacheConfig
 from ...hicache.plugin import HiCachePlugin
 from ...layout import KVLayout
 from ...parallel.topology import RankCoords
+from ...pools import DevicePool, HostPool
 from ...telemetry import spans
 from ...transfer.copier import Copier
-from ...transfer.pool import DevicePool, HostPool
 from .figure import figure
 
 # A realistic page: 32 layers x 8 kv heads x 128 dims x 16 tokens, K and V, fp16 = 2 MiB.

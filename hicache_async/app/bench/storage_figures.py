@@ -32,13 +32,13 @@ from ...errors import HiCacheError
 from ...keys import make_key_scheme, page_hashes
 from ...layout import KVLayout
 from ...parallel.topology import RankCoords
+from ...pools import HostPool, tensor_bytes
 from ...storage.base import StorageAdapter
 from ...storage.file import FileStorage
 from ...storage.guarded import GuardedStorage
 from ...storage.traced import TracedStorage
 from ...transfer.objects import checksum
 from ...transfer.page_store import PageStore
-from ...transfer.pool import HostPool, tensor_bytes
 from .figure import figure, gbps, skipped
 
 # 512 KiB pages: 32 layers x K,V x 16 tokens x 4 kv heads x 64 dims, fp16.

@@ -22,8 +22,8 @@ from ...hicache.ledger import StepMessage
 from ...hicache.plugin import HiCachePlugin
 from ...layout import KVLayout
 from ...parallel.pp_sync import SYNC_TAG, PipelineAgreement
-from ...sim.launcher import launch
-from ...transfer.pool import DevicePool
+from ...pools import DevicePool
+from ...sim.ranks.launcher import launch
 from .figure import figure
 
 

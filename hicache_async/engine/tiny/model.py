@@ -8,7 +8,6 @@ batch's new tokens; every rank stores the full KV of its layers and kv heads.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -16,49 +15,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..errors import UsageError
-from ..layout import KVLayout
-from ..parallel.dist_wait import recv, wait_work
-from ..parallel.topology import RankCoords, check_topology, kv_head_range, split_range
+from ...errors import UsageError
+from ...layout import KVLayout
+from ...parallel.dist_wait import recv, wait_work
+from ...parallel.topology import RankCoords, check_topology, kv_head_range, split_range
 from .attention import attend, project, read_kv, write_kv
+from .config import ModelConfig
 from .weights import DTYPE, LayerWeights, embedding, layer_weights, lm_head
 
 if TYPE_CHECKING:
-    from ..parallel.groups import ParallelGroups
+    from ...parallel.groups import ParallelGroups
 
 ACTIVATION_TAG = 7  # p2p tag for hidden states between stages; the cache's pp_sync uses another
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab: int = 256
-    hidden: int = 64
-    layers: int = 4
-    q_heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    ffn: int = 128
-    attention: str = "mha"  # "mha" (GQA) or "mla"
-    mla_latent: int = 32    # MLA stores latent + rope part per token, one vector replicated on TP
-    mla_rope_dim: int = 8
-    rope_theta: float = 10000.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.attention not in ("mha", "mla"):
-            raise UsageError(f"unknown attention {self.attention!r}: expected mha or mla")
-        if self.q_heads % self.kv_heads:
-            raise UsageError(f"q_heads {self.q_heads} is not a multiple of "
-                             f"kv_heads {self.kv_heads}")
-        for name in ("head_dim", "mla_rope_dim"):
-            if getattr(self, name) % 2:
-                raise UsageError(f"{name} must be even for rotary embeddings, "
-                                 f"got {getattr(self, name)}")
-
-    @property
-    def model_id(self) -> str:
-        """Names the weights, so KV from another seed or shape never matches in storage."""
-        return "tiny-ref-" + hashlib.sha256(repr(self).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from ..layout import KVLayout
-from ..parallel.topology import RankCoords, check_topology, kv_head_range, split_range
-from ..request import Request
-from .model import SeqChunk
-from .replay_kv import ReplayKV
-from .replay_trace import VOCAB
-from .scheduler import Scheduler
-from .splitmix import splitmix64
-from .virtual_clock import CostModel, VirtualClock
+from ...errors import UsageError
+from ...layout import KVLayout
+from ...parallel.topology import RankCoords, check_topology, kv_head_range, split_range
+from ...request import Request
+from ..scheduler import Scheduler
+from ..splitmix import splitmix64
+from ..tiny.model import SeqChunk
+from .clock import CostModel, VirtualClock
+from .kv import ReplayKV
+from .trace import VOCAB
 
 
 @dataclass(frozen=True)

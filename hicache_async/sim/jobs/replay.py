@@ -7,16 +7,16 @@ import dataclasses
 import os
 import sys
 
-from ..config import CacheConfig
-from ..engine.replay_model import ReplayModelSpec
-from ..engine.replay_trace import read_trace
-from ..engine.replay_workload import ReplaySpec
-from ..errors import UsageError
-from ..parallel.topology import check_topology
-from ..request import pages_needed
-from . import torchrun
+from ...config import CacheConfig
+from ...engine.replay.model import ReplayModelSpec
+from ...engine.replay.trace import read_trace
+from ...engine.replay.workload import ReplaySpec
+from ...errors import UsageError
+from ...parallel.topology import check_topology
+from ...request import pages_needed
+from ..ranks import torchrun
+from .harness import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
 from .oracle import unbounded_oracle
-from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
 
 TIER_NAMES = tuple(zip(TOKEN_FIELDS, ("L1 device", "L2 host", "L3 storage", "computed")))
 
@@ -35,7 +35,7 @@ def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelS
     with storage_spec(args, cold=True) as storage:   # a trace is measured from an empty L3
         payload = {"cache": dataclasses.asdict(cache), "replay": spec.to_dict(),
                    "model": dataclasses.asdict(model), "storage": storage}
-        reports, run_id, seconds = launch_ranks(args, "hicache_async.sim.replay_rank:run_rank", payload,
+        reports, run_id, seconds = launch_ranks(args, "hicache_async.sim.jobs.replay_rank:run_rank", payload,
                                                 len(trace), "replay")
     out = {"trace": spec.trace, "requests": reports[0]["requests"], "page_size": cache.page_size,
            "device_pages": cache.device_pages, "host_pages": cache.host_pages,

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..errors import HiCacheError, UsageError
-from ..parallel.topology import RankCoords
-from .rank_target import RankContext, error_type, one_line, run_target
+from ...errors import HiCacheError, UsageError
+from ...parallel.topology import RankCoords
+from .target import RankContext, error_type, one_line, run_target
 
 __all__ = ["RankContext", "die_with_parent", "launch"]  # a target gets a RankContext
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from .config import ModelConfig
 
 DTYPE = torch.float64
 

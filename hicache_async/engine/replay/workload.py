@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
-from ..request import Request
-from .replay_trace import TraceRequest, block_prefixes, output_page_id, prompt_page_ids, prompt_tokens
-from .virtual_clock import CostModel, VirtualClock
+from ...errors import UsageError
+from ...request import Request
+from .clock import CostModel, VirtualClock
+from .trace import TraceRequest, block_prefixes, output_page_id, prompt_page_ids, prompt_tokens
 
 
 @dataclass(frozen=True)

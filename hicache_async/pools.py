@@ -5,8 +5,8 @@ import ctypes
 
 import torch
 
-from ..errors import PoolExhausted, UsageError
-from ..layout import KVLayout
+from .errors import PoolExhausted, UsageError
+from .layout import KVLayout
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from ..request import Request
+from ...errors import UsageError
+from ...request import Request
 
 
 @dataclass(frozen=True)

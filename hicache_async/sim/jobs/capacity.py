@@ -10,13 +10,13 @@ import csv
 import dataclasses
 import re
 
-from ..config import CacheConfig
-from ..engine.replay_model import ReplayModelSpec
-from ..engine.replay_workload import ReplaySpec
-from ..errors import UsageError
-from ..storage.base import storage_backend
+from ...config import CacheConfig
+from ...engine.replay.model import ReplayModelSpec
+from ...engine.replay.workload import ReplaySpec
+from ...errors import UsageError
+from ...storage.base import storage_backend
+from .harness import RunArgs
 from .replay import run
-from .simulate import RunArgs
 
 # --sweep NAME -> (where the value goes, what it counts)
 SWEEPABLE = {"host-pages": ("cache", "host_pages"), "device-pages": ("cache", "device_pages"),

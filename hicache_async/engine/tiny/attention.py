@@ -12,7 +12,7 @@ import torch
 from .weights import DTYPE, LayerWeights
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from .config import ModelConfig
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -6,15 +6,15 @@ import resource
 import time
 from array import array
 
-from ..api import KVPlugin
-from ..config import CacheConfig
-from ..engine.kv_witness import KVCheck
-from ..engine.replay_model import ReplayModel, ReplayModelSpec, ReplayScheduler
-from ..engine.replay_trace import read_trace
-from ..engine.replay_workload import ReplaySpec, ReplayWorkload
-from ..engine.virtual_clock import VirtualClock
-from ..request import Request
-from .rank_main import hicache_plugin, serve_with_progress, with_telemetry
+from ...api import KVPlugin
+from ...config import CacheConfig
+from ...engine.kv_witness import KVCheck
+from ...engine.replay.clock import VirtualClock
+from ...engine.replay.model import ReplayModel, ReplayModelSpec, ReplayScheduler
+from ...engine.replay.trace import read_trace
+from ...engine.replay.workload import ReplaySpec, ReplayWorkload
+from ...request import Request
+from .harness import hicache_plugin, serve_with_progress, with_telemetry
 
 
 class TimedAdmission:

@@ -12,7 +12,7 @@ import time
 import anyio
 import torch
 
-from ..errors import bounded
+from .errors import bounded
 
 _SPIN_S = 2e-4      # poll with bare yields this long before backing off
 _MAX_SLEEP_S = 1e-3

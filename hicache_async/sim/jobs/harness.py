@@ -1,29 +1,32 @@
-"""`hicache-async simulate`: the multi-turn workload on simulated ranks, checked against a
-cache-less single-rank run of the same engine."""
+"""The run harness every job shares: on the launching side, the run's arguments, its storage
+session, its ranks (our launcher or torchrun) and the figures every job reports from them;
+inside a rank, its telemetry, the HiCache plugin over the run's storage, and progress.
+"""
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 from tqdm import tqdm
 
-from ..config import CacheConfig
-from ..engine.model import ModelConfig
-from ..engine.workload import WorkloadSpec
-from ..errors import StorageError, UsageError
-from ..parallel.topology import check_topology
-from ..storage.base import DEFAULT_STORAGE, storage_backend
-from ..telemetry.trace_file import merge_trace_files, part_path
-from . import torchrun
-from .launcher import launch
-from .rank_main import payload_of
-from .reference import reference_run
+from ...api import KVPlugin, load_plugin
+from ...config import CacheConfig
+from ...errors import StorageError, UsageError
+from ...parallel.agreement import LocalAgreement
+from ...parallel.pp_sync import PipelineAgreement
+from ...request import Request
+from ...storage.base import DEFAULT_STORAGE, open_storage, storage_backend
+from ...telemetry.sdk import setup_telemetry
+from ...telemetry.trace_file import merge_trace_files, part_path
+from ..ranks import torchrun
+from ..ranks.launcher import launch
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
 STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")
@@ -43,28 +46,6 @@ class RunArgs:
     trace_file: str | None = None
     log_json: bool = False
     storage_optional: bool = False
-
-
-def run(args: RunArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
-    check_topology(args.tp, args.pp, args.cp, num_layers=model.layers, kv_heads=model.kv_heads,
-                   attention=model.attention, q_heads=model.q_heads)
-    torchrun.check_world(args.tp, args.pp, args.cp)
-    if cache.page_size > spec.system_len:
-        raise UsageError(f"--page-size {cache.page_size} exceeds the shortest prompt ({spec.system_len} "
-                         f"tokens): few pages would ever fill, so little could be cached")
-    if spec.max_prompt() // cache.page_size + 1 > cache.device_pages:
-        raise UsageError(f"--device-pages {cache.device_pages} cannot hold one request of up to "
-                         f"{spec.max_prompt() + spec.max_new} tokens at --page-size {cache.page_size}")
-    with storage_spec(args) as storage, tempfile.TemporaryDirectory(prefix="hicache-kv-") as kv_dir:
-        reference, recorder = reference_run(model, spec, cache.page_size)   # after storage: fail fast
-        payload = payload_of(model, cache, spec, storage)
-        payload["kv_reference"] = os.path.join(kv_dir, "reference")
-        recorder.save(payload["kv_reference"])
-        reports, run_id, cached_s = launch_ranks(args, "hicache_async.sim.rank_main:run_rank", payload,
-                                                 spec.requests, "simulate", scratch=kv_dir)
-    result = summarize(args, model.attention, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
-    result["tenants"] = spec.tenants
-    return result
 
 
 def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str,
@@ -114,14 +95,6 @@ def storage_spec(args: RunArgs, cold: bool = False):
         yield None if options is None else {"name": args.storage, "options": options}
 
 
-def summarize(args: RunArgs, attention: str, reports: list[dict], reference: dict, run_id: str,
-              seconds: float, storage_used: str) -> dict:
-    first = reports[0]
-    return {"attention": attention, "requests": len(first["outputs"]),
-            "outputs_match_reference": first["outputs"] == reference,
-            **rank_figures(args, reports, run_id, seconds, storage_used)}
-
-
 def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float, storage_used: str) -> dict:
     """What every run reports from its ranks' reports: topology, tiers, KV checks, agreement,
     step times, transfers and storage counters."""
@@ -160,22 +133,70 @@ def p50_p99(values: list[float]) -> tuple[float, float]:
     return round(cuts[49], 1), round(cuts[98], 1)
 
 
-def print_summary(result: dict, file=None) -> None:
-    file = file or sys.stdout
-    tiers = result["tiers"]
-    print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
-          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}, "
-          f"{result['tenants']} tenant{'s' if result['tenants'] > 1 else ''}", file=file)
-    print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
-        f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
-    print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}, corrupt objects "
-          f"{result['corrupt_objects']}, missing objects {result['missing_objects']}, L3 bytes written "
-          f"{result['l3_bytes_written']}, read {result['l3_bytes_read']}", file=file)
-    print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
-          f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)
-    verdict = "yes" if result["outputs_match_reference"] else "NO"
-    print(f"  KV verified against the reference: {result['kv_verified_pages']} pages, "
-          f"{result['kv_mismatches']} mismatches; ranks agree: {'yes' if result['ranks_agree'] else 'NO'}",
-          file=file)
-    print(f"  outputs match the cache-less reference: {verdict}; run id {result['run_id']} "
-          f"(the hicache.run_id attribute of its traces)", file=file)
+# -- inside a rank --------------------------------------------------------------------------
+
+async def with_telemetry(ctx, body: Callable[[Any], Awaitable[dict]]) -> dict:
+    """`await body(ctx)` with this rank's telemetry set up as the payload asks, flushed after."""
+    trace_file = ctx.payload.get("trace_file")
+    telemetry = setup_telemetry(coords=ctx.coords, run_id=ctx.run_id, log_json=ctx.payload.get("log_json", False),
+                                trace_file=part_path(trace_file, ctx.coords.rank) if trace_file else None)
+    try:
+        return await body(ctx)
+    finally:
+        telemetry.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]:
+    """The HiCache plugin over the payload's storage and this rank's agreement, entered; on
+    exit the plugin is exited, then the storage it used closed."""
+    storage_spec = ctx.payload.get("storage")
+    storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
+    try:
+        agreement = (LocalAgreement() if ctx.coords.world_size == 1
+                     else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
+        plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
+                             storage_name=storage_spec["name"] if storage_spec else "none")
+        async with plugin:
+            yield plugin
+    finally:
+        if storage is not None:     # may wait for a call stuck in a dead backend: off the loop
+            await anyio.to_thread.run_sync(storage.close)
+
+
+PROGRESS_EVERY_S = 0.1
+
+
+async def serve_with_progress(ctx, serve: Callable[[Callable[[Request], None]], Awaitable[None]]) -> None:
+    """`await serve(on_finish)`, the rank's scheduler loop, while rank 0 reports its count of
+    finished requests at most every PROGRESS_EVERY_S (a pipe write or a progress bar: kept off
+    the per-request path). Both run in one task group, so the reporter ends with the loop; an
+    error from the loop propagates as it was, not wrapped in an exception group."""
+    done = sent = 0
+
+    def on_finish(_req: Request) -> None:
+        nonlocal done
+        done += 1
+
+    def flush() -> None:
+        nonlocal sent
+        if done != sent and ctx.coords.rank == 0:
+            sent = done
+            ctx.progress({"requests_done": done})
+
+    async def report() -> None:
+        while True:
+            await anyio.sleep(PROGRESS_EVERY_S)
+            flush()
+
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(report)
+        try:
+            await serve(on_finish)
+        except Exception as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    flush()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from ..api import load_plugin
-from ..engine.kv_record import KVRecorder
-from ..engine.model import ModelConfig, TinyModel
-from ..engine.scheduler import Scheduler
-from ..engine.workload import Workload, WorkloadSpec
+from ...api import load_plugin
+from ...engine.scheduler import Scheduler
+from ...engine.tiny.kv_record import KVRecorder
+from ...engine.tiny.model import ModelConfig, TinyModel
+from ...engine.tiny.workload import Workload, WorkloadSpec
 
 
 def reference_run(model_cfg: ModelConfig, spec: WorkloadSpec, page_size: int

@@ -16,9 +16,9 @@ import json
 import numpy as np
 import torch
 
-from ..layout import KVLayout
-from ..request import Request
-from .kv_witness import KVWitness
+from ...layout import KVLayout
+from ...request import Request
+from ..kv_witness import KVWitness
 
 
 def prefix_names(tokens: list[int], page_size: int, pages: int | None = None) -> list[str]:

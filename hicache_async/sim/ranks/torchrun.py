@@ -22,9 +22,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import HiCacheError, SyncTimeout, UsageError
-from ..parallel.topology import RankCoords
-from .rank_target import error_type, one_line, run_target
+from ...errors import HiCacheError, SyncTimeout, UsageError
+from ...parallel.topology import RankCoords
+from .target import error_type, one_line, run_target
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HANDOFF_TIMEOUT_S = 900.0  # how long the other ranks wait for rank 0 to prepare the next run

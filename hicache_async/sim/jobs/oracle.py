@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.replay_trace import TraceRequest, prompt_page_ids
+from ...engine.replay.trace import TraceRequest, prompt_page_ids
 
 
 @dataclass(frozen=True)
