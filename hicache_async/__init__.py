@@ -12,7 +12,7 @@ _PUBLIC = {
     "KVPlugin": "api", "EngineContext": "api", "load_plugin": "api",
     "Request": "request", "CacheConfig": "config", "KVLayout": "layout",
     "DevicePool": "pools", "HostPool": "pools", "OpClock": "clock", "TransferKind": "kinds",
-    "RankCoords": "parallel.topology", "ParallelGroups": "parallel.groups",
+    "RankCoords": "topology", "ParallelGroups": "parallel.groups",
     "Agreement": "parallel.agreement", "LocalAgreement": "parallel.agreement",
     "PipelineAgreement": "parallel.pp_sync",
     "HiCachePlugin": "hicache.plugin", "StorageAdapter": "storage.base", "open_storage": "storage.base",

@@ -9,9 +9,9 @@ from typing import Any
 from .clock import OpClock
 from .errors import UsageError
 from .layout import KVLayout
-from .parallel.topology import RankCoords
 from .pools import DevicePool
 from .request import Request
+from .topology import RankCoords
 
 GROUP = "hicache_async.plugins"
 

@@ -17,10 +17,10 @@ from typing import Iterable
 
 import numpy as np
 
+from . import faults
 from .errors import UsageError
 from .layout import KVLayout
-from .parallel.topology import RankCoords
-from .transfer import faults
+from .topology import RankCoords
 
 
 def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None, *,

@@ -1,7 +1,7 @@
 """Which pages of a transfer a context-parallel rank moves."""
 from __future__ import annotations
 
-from .parallel.topology import split_range
+from .topology import split_range
 
 
 def cp_page_slice(num_pages: int, cp_rank: int, cp_size: int) -> range:

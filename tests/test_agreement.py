@@ -12,9 +12,9 @@ from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.agreement import NOT_READY
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS, InFlightSends
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.pools import DevicePool
 from hicache_async.sim.ranks.launcher import launch
+from hicache_async.topology import RankCoords
 from tests.agreement_targets import offer
 
 COORDS = RankCoords.of(0, 1, 2, 1)

@@ -9,7 +9,7 @@ import pytest
 from hicache_async.errors import UsageError
 from hicache_async.keys import RankSuffixKeys, UnifiedKeys, make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
-from hicache_async.parallel.topology import RankCoords, kv_head_range, split_range
+from hicache_async.topology import RankCoords, kv_head_range, split_range
 
 TOTAL_LAYERS, TOTAL_HEADS = 8, 4
 

@@ -11,11 +11,11 @@ from hicache_async.config import CacheConfig
 from hicache_async.engine.tiny.model import ModelConfig, TinyModel
 from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.pools import HostPool
 from hicache_async.sim.jobs.simulate_rank import payload_of
 from hicache_async.sim.ranks.launcher import launch
 from hicache_async.storage.memory import MemoryStorage
+from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
 from tests.reference_kv import assert_like_reference, reference
 

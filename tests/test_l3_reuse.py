@@ -10,7 +10,7 @@ import pytest
 from hicache_async.hicache.prefetch_cost import PrefetchCost
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.agreement import NOT_READY
-from hicache_async.parallel.topology import RankCoords
+from hicache_async.topology import RankCoords
 from tests.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 
 CLI = [sys.executable, "-m", "hicache_async", "simulate"]

@@ -16,8 +16,8 @@ import pytest
 
 from hicache_async.errors import HiCacheError, SyncTimeout, UsageError
 from hicache_async.parallel.dist_wait import wait_work
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.sim.ranks.launcher import launch
+from hicache_async.topology import RankCoords
 
 TESTS_DIR = Path(__file__).parent
 

@@ -10,8 +10,8 @@ import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
 from hicache_async.errors import UsageError
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.telemetry.sdk import setup_telemetry
+from hicache_async.topology import RankCoords
 
 COORDS = RankCoords.of(5, 2, 2, 2)  # tp1 cp0 pp1 -> rank 5 of tp2 x cp2 x pp2
 RANK_FIELDS = {"rank": 5, "tp_rank": 1, "pp_rank": 1, "cp_rank": 0}

@@ -17,8 +17,8 @@ from hicache_async.engine import ModelConfig, SeqChunk, TinyModel
 from hicache_async.engine.tiny.attention import read_kv
 from hicache_async.engine.tiny.weights import layer_weights
 from hicache_async.errors import UsageError
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.sim.ranks.launcher import launch
+from hicache_async.topology import RankCoords
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

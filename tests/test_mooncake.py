@@ -12,9 +12,9 @@ from test_keys import rank_layout
 
 from hicache_async.errors import StorageError
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.pools import HostPool
 from hicache_async.storage import MISSING, WRONG_SIZE, open_storage
+from hicache_async.topology import RankCoords
 from hicache_async.transfer import checksums
 from hicache_async.transfer.objects import HEADER_BYTES, encode_header
 from hicache_async.transfer.page_store import PageStore

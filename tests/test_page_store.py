@@ -7,10 +7,10 @@ from test_keys import TOTAL_HEADS, TOTAL_LAYERS, grid, rank_layout
 
 from hicache_async.errors import StorageError, UsageError
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.pools import HostPool
 from hicache_async.storage.file import FileStorage
 from hicache_async.storage.memory import MemoryStorage
+from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
 
 PAGES = 5

@@ -13,9 +13,9 @@ from hicache_async.hicache.storage_tier import SLICE_PAGES
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
-from hicache_async.parallel.topology import RankCoords
 from hicache_async.pools import DevicePool, HostPool
 from hicache_async.request import Request
+from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
 from tests.test_storage_scheduling import SlowStorage
 

@@ -25,7 +25,7 @@ from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.telemetry.spans import (CacheMetrics, begin_step, finish_transfer, pp_sync_span,
                                      request_link, request_span, start_transfer, step_span,
                                      storage_span, tracing_enabled)
-from hicache_async.parallel.topology import RankCoords
+from hicache_async.topology import RankCoords
 
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
 tel = setup_telemetry(coords=coords, run_id="run-A")

@@ -21,7 +21,7 @@ RANK = r"""
 import json, sys
 from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.telemetry.spans import finish_transfer, request_link, start_transfer, step_span
-from hicache_async.parallel.topology import RankCoords
+from hicache_async.topology import RankCoords
 
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
 tel = setup_telemetry(coords=coords, run_id="run-F", trace_file=sys.argv[2])

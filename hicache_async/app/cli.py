@@ -6,10 +6,10 @@ import json
 import os
 import sys
 
+from .. import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from ..engine.replay.clock import CostModel
 from ..errors import HiCacheError, UsageError
-from ..transfer import faults
 from .storage_flags import add_storage_flags, storage_options
 
 

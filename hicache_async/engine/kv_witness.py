@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 
 from ..layout import KVLayout
-from ..parallel.topology import RankCoords
 from ..request import Request
+from ..topology import RankCoords
 
 
 class Truth(Protocol):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ..config import CacheConfig
 from ..kinds import TransferKind
-from ..parallel.topology import RankCoords
 from ..pools import DevicePool, HostPool
+from ..topology import RankCoords
 from ..transfer.copier import Copier
 from .ledger import Ledger
 from .node import Node

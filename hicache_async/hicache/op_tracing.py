@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 from ..kinds import TransferKind
-from ..parallel.topology import RankCoords
 from ..request import Request
 from ..telemetry import spans
+from ..topology import RankCoords
 from .ops import CacheOp
 from .prefetch_cost import Decision
 

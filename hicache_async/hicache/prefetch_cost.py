@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..layout import KVLayout
 from ..parallel.agreement import NOT_READY
-from ..parallel.topology import RankCoords
+from ..topology import RankCoords
 
 SMOOTHING = 0.5       # weight of a new agreed sample in the running estimate
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..daemon_threads import DaemonThreads
 from ..errors import HiCacheError
 from ..events import HostEvent
-from .topology import RankCoords
+from ..topology import RankCoords
 
 SPIN_S = 300e-6
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .topology import RankCoords
+from ..topology import RankCoords
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DivergenceError
+from ..topology import RankCoords
 from .agreement import Agreement
 from .dist_wait import all_reduce, recv, wait_work
-from .topology import RankCoords
 
 SYNC_TAG = 11
 REAP_AGE_STEPS = 8

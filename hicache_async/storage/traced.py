@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..errors import StorageError
-from ..parallel.topology import RankCoords
 from ..telemetry import spans
+from ..topology import RankCoords
 from .base import StorageAdapter
 
 

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from ..errors import UsageError
-from ..parallel.topology import RankCoords
+from ..topology import RankCoords
 from .trace_file import OTLPJsonFileExporter
 
 PROTOCOLS = ("http/protobuf", "grpc")

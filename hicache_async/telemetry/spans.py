@@ -30,7 +30,7 @@ from opentelemetry.trace import (
 )
 
 from ..kinds import TransferKind
-from ..parallel.topology import RankCoords
+from ..topology import RankCoords
 
 SCOPE = "hicache_async"
 STEP = "hicache.step"

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import faults
 from ..errors import HiCacheError
 from ..events import CompletionEvent, CudaEvent, HostEvent
 from ..pools import DevicePool, HostPool
-from . import faults
 
 # Slabs move as the widest word that divides them: the index kernels copy one element at a
 # time, so wider elements are fewer steps (complex128 copies bits exactly, like an integer).

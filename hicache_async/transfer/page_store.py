@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import faults
 from ..config import CP_MODES
 from ..errors import StorageError, UsageError
 from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
-from ..parallel.topology import RankCoords
 from ..partition import cp_page_slice
 from ..pools import HostPool, tensor_bytes
 from ..storage.base import MISSING, StorageAdapter
-from . import faults
+from ..topology import RankCoords
 from .checksums import Ahead, Behind
 from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
 

@@ -12,9 +12,9 @@ from ...api import EngineContext
 from ...config import CacheConfig
 from ...hicache.plugin import HiCachePlugin
 from ...layout import KVLayout
-from ...parallel.topology import RankCoords
 from ...pools import DevicePool, HostPool
 from ...telemetry import spans
+from ...topology import RankCoords
 from ...transfer.copier import Copier
 from .figure import figure
 

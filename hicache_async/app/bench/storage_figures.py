@@ -31,12 +31,12 @@ from ...config import CacheConfig
 from ...errors import HiCacheError
 from ...keys import make_key_scheme, page_hashes
 from ...layout import KVLayout
-from ...parallel.topology import RankCoords
 from ...pools import HostPool, tensor_bytes
 from ...storage.base import StorageAdapter
 from ...storage.file import FileStorage
 from ...storage.guarded import GuardedStorage
 from ...storage.traced import TracedStorage
+from ...topology import RankCoords
 from ...transfer.objects import checksum
 from ...transfer.page_store import PageStore
 from .figure import figure, gbps, skipped

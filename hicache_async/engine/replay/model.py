@@ -21,8 +21,8 @@ import torch
 
 from ...errors import UsageError
 from ...layout import KVLayout
-from ...parallel.topology import RankCoords, check_topology, kv_head_range, split_range
 from ...request import Request
+from ...topology import RankCoords, check_topology, kv_head_range, split_range
 from ..scheduler import Scheduler
 from ..splitmix import splitmix64
 from ..tiny.model import SeqChunk

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ...errors import UsageError
 from ...layout import KVLayout
 from ...parallel.dist_wait import recv, wait_work
-from ...parallel.topology import RankCoords, check_topology, kv_head_range, split_range
+from ...topology import RankCoords, check_topology, kv_head_range, split_range
 from .attention import attend, project, read_kv, write_kv
 from .config import ModelConfig
 from .weights import DTYPE, LayerWeights, embedding, layer_weights, lm_head

@@ -12,8 +12,8 @@ from ...engine.replay.model import ReplayModelSpec
 from ...engine.replay.trace import read_trace
 from ...engine.replay.workload import ReplaySpec
 from ...errors import UsageError
-from ...parallel.topology import check_topology
 from ...request import pages_needed
+from ...topology import check_topology
 from ..ranks import torchrun
 from .harness import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
 from .oracle import unbounded_oracle

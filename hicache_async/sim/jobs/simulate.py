@@ -10,7 +10,7 @@ from ...config import CacheConfig
 from ...engine.tiny.model import ModelConfig
 from ...engine.tiny.workload import WorkloadSpec
 from ...errors import UsageError
-from ...parallel.topology import check_topology
+from ...topology import check_topology
 from ..ranks import torchrun
 from .harness import RunArgs, launch_ranks, rank_figures, storage_spec
 from .reference import reference_run

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ...errors import HiCacheError, UsageError
-from ...parallel.topology import RankCoords
+from ...topology import RankCoords
 from .target import RankContext, error_type, one_line, run_target
 
 __all__ = ["RankContext", "die_with_parent", "launch"]  # a target gets a RankContext

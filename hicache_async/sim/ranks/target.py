@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ... import errors
 from ...errors import HiCacheError, UsageError
 from ...parallel.groups import ParallelGroups
-from ...parallel.topology import RankCoords
+from ...topology import RankCoords
 
 PG_SLACK_S = 5.0  # gloo's own timeout fires after ours, so the user sees our one-line SyncTimeout
 

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ...errors import HiCacheError, SyncTimeout, UsageError
-from ...parallel.topology import RankCoords
+from ...topology import RankCoords
 from .target import error_type, one_line, run_target
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

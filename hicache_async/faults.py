@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import UsageError
+from .errors import UsageError
 
 ENV = "HICACHE_ASYNC_FAULT"
 FAULTS = ("swap-load-pages", "noise-load", "corrupt-stored", "copy-error", "unchained-hash")

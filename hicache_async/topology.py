@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from .errors import UsageError
 
 
 @dataclass(frozen=True)
