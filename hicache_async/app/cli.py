@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--decode-us-per-step", type=_non_negative_float, metavar="US",
                      help="virtual cost of each forward pass, a decode step (default 10000)")
     rep.add_argument("--sweep", metavar="NAME=A,B,C",
-                     help="replay once per value of host-pages, device-pages or l3-capacity")
+                     help="replay once per value of host-pages, device-pages, l3-capacity or a hardware "
+                          "flag (pcie-gbps, l3-read-gbps, l3-write-gbps, l3-latency-us, kv-bytes-per-token)")
     rep.add_argument("--csv", metavar="PATH", help="the sweep's table as CSV (default: beside --json)")
-    rep.add_argument("--plot", metavar="PATH.png", help="draw the sweep's hit ratios (needs the plot extra)")
+    rep.add_argument("--plot", metavar="PATH.png",
+                     help="draw the sweep's hit ratio and TTFT p90 (needs the plot extra)")
     bench = sub.add_parser("bench", help="run the benchmark suite")
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -151,7 +153,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 def _replay(ns: argparse.Namespace) -> int:
     from ..engine.replay_workload import ReplaySpec
-    from ..sim import capacity
+    from ..sim import capacity, sweep_plot
     from ..sim.replay import print_summary, run
 
     cache = _cache_config(ns)
@@ -168,14 +170,14 @@ def _replay(ns: argparse.Namespace) -> int:
         return _verdict(result)
     name, values = capacity.parse_sweep(ns.sweep, ns.storage)
     if ns.plot:
-        capacity.require_matplotlib()
+        sweep_plot.require_matplotlib()
     table = capacity.sweep(args, cache, spec, name, values, on_run=print_summary)
     _write_json(table, ns.json)
     csv_path = ns.csv or (os.path.splitext(ns.json)[0] + ".csv" if ns.json else None)
     if csv_path:
         capacity.write_csv(table, csv_path)
     if ns.plot:
-        capacity.plot(table, ns.plot)
+        sweep_plot.plot(table, ns.plot)
     capacity.print_table(table)
     return max(_verdict(r) for r in table["runs"])
 
