@@ -39,7 +39,7 @@ def main() -> None:
     with step_span(run_id, step=0, coords=coords):
         # One transfer serves two requests that share this prefix: link it to both.
         nbytes = len(src) * layout.page_bytes
-        span = start_transfer("write", src="l1", dst="l2", pages=len(src), nbytes=nbytes, coords=coords,
+        span = start_transfer("write", pages=len(src), nbytes=nbytes, coords=coords,
                               links=[request_link(run_id, 1), request_link(run_id, 2)])
         started = time.perf_counter()
         host.tensor[dst] = device.tensor[:, src].transpose(0, 1)  # layer-major -> page-major

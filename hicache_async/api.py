@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from .clock import OpClock
 from .errors import UsageError
 from .layout import KVLayout
 from .parallel.topology import RankCoords
@@ -22,6 +23,7 @@ class EngineContext:
     coords: RankCoords
     run_id: str = "local"
     groups: Any = None      # ParallelGroups when the engine runs across ranks
+    clock: OpClock = field(default_factory=OpClock)   # when ops count as complete: wall time by default
 
 
 class KVPlugin:

@@ -1,5 +1,4 @@
 """Rank targets for the agreement tests (run inside simulated ranks)."""
-from hicache_async.parallel.agreement import StepMessage
 from hicache_async.parallel.pp_sync import PipelineAgreement
 
 
@@ -9,7 +8,7 @@ async def many_steps(ctx) -> dict:
     most = 0
     for step in range(ctx.payload["steps"]):
         await agreement.reap()
-        await agreement.agree(StepMessage(digest=7), step)
+        await agreement.agree([0, 0], 7, step)
         most = max(most, agreement.pending_sends)
     before_close = agreement.counts()
     await agreement.close()
@@ -29,20 +28,19 @@ async def counts(ctx) -> dict:
     seen = []
     for step in range(50):
         mine = offer(ctx.coords.rank, step)
-        agreed = await agreement.agree(StepMessage(writes=mine, loads=mine + 1, digest=1), step)
-        seen.append([agreed.writes, agreed.loads])
+        seen.append(await agreement.agree([mine, mine + 1], 1, step))
     await agreement.close()
     return {"seen": seen}
 
 
 async def backups(ctx) -> dict:
-    """Each rank offers its own ready backups; storage ops are pending on odd steps only."""
+    """Each rank offers its own ready backups; the field is agreed world-wide on odd steps only."""
     agreement = PipelineAgreement(ctx.coords, ctx.groups, ctx.timeout_s)
     seen = []
     for step in range(20):
-        agreed = await agreement.agree(StepMessage(backups=offer(ctx.coords.rank, step), digest=1), step,
-                                       l3_pending=step % 2 == 1)
-        seen.append(agreed.backups)
+        agreed = await agreement.agree([7, offer(ctx.coords.rank, step)], 1, step,
+                                       world=slice(1, 2) if step % 2 == 1 else None)
+        seen.append(agreed[1])
     await agreement.close()
     return {"seen": seen, "world_reductions": agreement.world_reductions}
 
@@ -55,7 +53,6 @@ async def diverge(ctx) -> dict:
         digest += 1
         if ctx.coords.rank == ctx.payload["odd_rank"] and step == ctx.payload["at"]:
             digest += 1000
-        agreed = await agreement.agree(StepMessage(digest=digest), step)
-        assert agreed.digest == digest and not agreed.diverged
+        assert await agreement.agree([step], digest, step) == [step]
     await agreement.close()
     return {}

@@ -3,6 +3,7 @@ import dataclasses
 import time
 
 from hicache_async.hicache.cache import TieredCache
+from hicache_async.hicache.prefetch_cost import PrefetchCost
 from hicache_async.sim.rank_main import run_rank
 from hicache_async.transfer.page_store import PageStore
 
@@ -47,3 +48,28 @@ async def slow_prefetch(ctx) -> dict:
         return original(self, *args, **kwargs)
     PageStore.prefetch = prefetch
     return await run_rank(ctx)
+
+
+async def slow_stage_records_throughput(ctx) -> dict:
+    """Pipeline stage 1 reads L3 `slowdown` times slower than stage 0; every rank records the
+    L3 throughput it offers at each agreement and the figure agreed."""
+    if ctx.coords.pp_rank == 1:
+        original = PageStore.prefetch
+
+        def prefetch(self, hashes, *args, **kwargs):
+            time.sleep(ctx.payload["delay_s_per_page"] * len(hashes))
+            return original(self, hashes, *args, **kwargs)
+        PageStore.prefetch = prefetch
+    offered, agreed = [], []
+    offer, agree = PrefetchCost.offer, PrefetchCost.agreed
+
+    def recording_offer(self):
+        offered.append(offer(self))
+        return offered[-1]
+
+    def recording_agreed(self, kbps):
+        agreed.append(kbps)
+        agree(self, kbps)
+    PrefetchCost.offer, PrefetchCost.agreed = recording_offer, recording_agreed
+    report = await run_rank(ctx)
+    return {**report, "offered": offered, "agreed": agreed}

@@ -1,4 +1,4 @@
-"""Ack queues retire in FIFO order; copies complete per layer; eviction respects locks."""
+"""The ledger offers and retires in FIFO order; copies complete per layer; eviction respects locks."""
 import asyncio
 
 import pytest
@@ -7,8 +7,13 @@ import torch
 from hicache_async.config import CacheConfig
 from hicache_async.errors import PoolExhausted, SyncTimeout
 from hicache_async.hicache.cache import TieredCache
-from hicache_async.hicache.ops import AckQueue, CacheOp
+from hicache_async.clock import OpClock
+from hicache_async.hicache.ledger import Ledger, StepMessage
+from hicache_async.hicache.op_tracing import OpTracer
+from hicache_async.hicache.ops import CacheOp
+from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
+from hicache_async.parallel.topology import RankCoords
 from hicache_async.transfer.copier import Copier, runs
 from hicache_async.transfer.events import HostEvent, first_completion
 from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
@@ -17,26 +22,61 @@ LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
 
 
 def _op(event):
-    return CacheOp("write", None, [event], 1, 0)
+    return CacheOp(TransferKind.WRITE, None, [event], 1, 0)
 
 
-def test_only_the_leading_completed_run_is_ready():
-    queue = AckQueue("write")
+def _ledger(clock=None) -> Ledger:
+    return Ledger(OpTracer("t", RankCoords(), "rank-suffix"), clock, timeout_s=1.0)
+
+
+async def test_only_the_leading_completed_run_is_offered_and_retired():
+    ledger = _ledger()
     events = [HostEvent() for _ in range(4)]
     ops = [_op(e) for e in events]
     for op in ops:
-        queue.push(op)
+        ledger.issue(op)
     events[1].set()
     events[3].set()
-    assert queue.ready() == 0          # op 0 is not done: nothing behind it may retire
+    never = lambda op: False   # noqa: E731
+    assert (await ledger.offer(1, never, 0)).writes == 0     # op 0 is not done: nothing behind it
     events[0].set()
-    assert queue.ready() == 2
-    assert queue.retire(2) == ops[:2]
-    assert queue.ready() == 0
+    assert (await ledger.offer(2, never, 0)).writes == 2
+    assert (await ledger.retire(StepMessage(writes=2), 2))[TransferKind.WRITE] == ops[:2]
+    assert (await ledger.offer(3, never, 0)).writes == 0
     events[2].set()
-    assert queue.retire(queue.ready()) == ops[2:]
+    assert (await ledger.retire(await ledger.offer(4, never, 0), 4))[TransferKind.WRITE] == ops[2:]
     with pytest.raises(AssertionError):
-        queue.retire(1)
+        await ledger.retire(StepMessage(writes=1), 5)
+
+
+class _Modelled(OpClock):
+    """Due by a model: every op is due at once, whatever its event says."""
+
+    modelled = True
+
+    def due(self, op) -> bool:
+        return True
+
+
+async def test_a_modelled_clock_offers_ops_by_the_model_and_awaits_their_bytes():
+    ledger = _ledger(_Modelled())
+    event = HostEvent()
+    ledger.issue(_op(event))
+    asyncio.get_running_loop().call_later(0.02, event.set)
+    assert (await ledger.offer(1, lambda op: False, 0)).writes == 1   # due: awaited till it landed
+    assert event.query()
+    stuck = _ledger(_Modelled())
+    stuck.issue(_op(HostEvent()))
+    stuck.timeout_s = 0.05
+    with pytest.raises(SyncTimeout, match="write op due at step 7"):
+        await stuck.offer(7, lambda op: False, 0)
+
+
+def _retire(cache: TieredCache, writes: int, loads: int = 0) -> list[CacheOp]:
+    """What on_step does for the cache's own queues, once every rank agreed."""
+    retired = asyncio.run(cache.ledger.retire(StepMessage(writes=writes, loads=loads), 1))
+    cache.retired(retired[TransferKind.WRITE] + retired[TransferKind.LOAD])
+    return retired[TransferKind.WRITE]
 
 
 async def test_event_wait_times_out_with_the_operation_named():
@@ -91,8 +131,8 @@ def test_eviction_under_pressure_spares_locked_pages():
     locked = cache.match(tokens_a).last_node
     cache.tree.lock_device(locked)
     assert cache.alloc_device(4) is None          # b is still being written: nothing to evict yet
-    due = asyncio.run(cache.retire(1, writes=2, loads=0))    # awaits the copies: agreed done
-    assert [op.kind for op in due] == ["write", "write"] and not cache.busy()
+    due = _retire(cache, writes=2)                # awaits the copies: agreed done
+    assert [op.kind for op in due] == ["write", "write"] and not cache.ledger.busy()
     got = cache.alloc_device(4)
     assert got is not None and sorted(got[:2]) == sorted(pages_b)
     assert cache.match(tokens_a).device_pages == pages_a     # locked: still on the device
@@ -108,7 +148,7 @@ def test_selective_write_on_match_never_evicts_the_host_hits_it_returns():
     cache.insert(tokens[:4], pages[:1], ["h0"])          # node D: one hit so far
     lower = cache.tree.insert(tokens, pages, ["h0", "h1"]).new_nodes[0]   # node A below it
     assert cache.write(lower)                            # A gets the only host page
-    asyncio.run(cache.retire(1, writes=1, loads=0))
+    _retire(cache, writes=1)
     cache.free_device(cache.tree.evict_device(lower))    # A is now host-only
     match = cache.match(tokens)                          # D is hit again: selective writes it
     assert match.host_nodes == [lower] and lower.id in cache.tree.nodes

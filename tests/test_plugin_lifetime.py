@@ -11,6 +11,7 @@ from hicache_async.errors import DivergenceError, HiCacheError
 from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.hicache.storage_tier import SLICE_PAGES
 from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.topology import RankCoords
 from hicache_async.request import Request
@@ -48,7 +49,7 @@ async def test_exit_stops_a_running_prefetch_and_gives_its_host_pages_back():
     req = Request(1, PROMPT, max_new=1)
     async with plugin:
         assert not plugin.admit(req) and plugin.fetching(req)      # it waits for its prefetch
-        op = next(iter(plugin.l3.prefetches))
+        op = plugin.ledger.queues[TransferKind.PREFETCH].head()
         assert _host_free(plugin) == CONFIG.host_pages - LONG
         await anyio.sleep(0.2)                                       # a slice is being read
         exiting = time.monotonic()
@@ -64,7 +65,7 @@ async def test_an_error_in_the_loop_propagates_as_raised_and_still_stops_the_wor
     with pytest.raises(DivergenceError, match="^boom$"):
         async with plugin:
             plugin.admit(Request(1, PROMPT, max_new=1))
-            op = next(iter(plugin.l3.prefetches))
+            op = plugin.ledger.queues[TransferKind.PREFETCH].head()
             await anyio.sleep(0.05)
             raise DivergenceError("boom")
     assert op.done.query() and not plugin.busy() and _host_free(plugin) == CONFIG.host_pages

@@ -63,3 +63,19 @@ def test_slow_prefetches_are_terminated_by_their_deadline(policy, tmp_path):
     first = _check(reports)
     assert all(r["prefetches_terminated"] > 0 for r in reports)
     assert first["tokens_from_l3"] == 0 and first["transfers"]["prefetch"] > 0
+
+
+def test_a_slower_later_stage_sets_the_agreed_l3_throughput(tmp_path):
+    """Each pipeline stage fetches its own layers, so the slowest stage bounds a prefetch: the
+    agreed throughput is the MIN over the world at the step it is offered, not stage 0's."""
+    payload = _payload(tmp_path, "slow-stage", prefetch_policy="wait_complete")
+    payload["delay_s_per_page"] = 0.004
+    reports = launch(tp=1, pp=2, cp=1, target="tests.sim_targets:slow_stage_records_throughput",
+                     payload=payload, timeout_s=90)
+    _check(reports)
+    stage0, stage1 = reports
+    assert stage0["agreed"] == stage1["agreed"]
+    assert stage0["agreed"] == [min(a, b) for a, b in zip(stage0["offered"], stage1["offered"])]
+    slower = [i for i, (a, b) in enumerate(zip(stage0["offered"], stage1["offered"])) if b < a]
+    assert slower, "stage 1 never offered a slower sample: the test proves nothing"
+    assert all(stage0["agreed"][i] == stage1["offered"][i] for i in slower)

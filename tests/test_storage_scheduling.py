@@ -9,6 +9,7 @@ from hicache_async.hicache.cache import TieredCache
 from hicache_async.hicache.ops import CacheOp
 from hicache_async.hicache.storage_tier import SLICE_PAGES, StorageTier
 from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer.events import HostEvent
@@ -79,10 +80,10 @@ async def test_a_prefetch_is_not_held_up_behind_a_long_backup():
         assert tier.store.backup(page_hashes(short_tokens, 4), tier.cache.host, [0, 1]).ok == [True] * 2
         storage.seconds_per_object = 0.002
         long_tokens = _tokens(0, LONG)
-        write = CacheOp("write", tier.cache.tree.root, [HostEvent()], LONG, 0,
+        write = CacheOp(TransferKind.WRITE, tier.cache.tree.root, [HostEvent()], LONG, 0,
                         hashes=page_hashes(long_tokens, 4), host_pages=list(range(LONG)))
         tier.back_up([write])
-        backup = next(iter(tier.backups))
+        backup = tier.ledger.queues[TransferKind.BACKUP].head()
         prefetch = _prefetch(tier, 1, short_tokens)
         await _wait(prefetch)
         assert not backup.done.query(), "the prefetch waited for the backup"

@@ -35,15 +35,15 @@ with step_span("run-A", 7, coords) as step:
         sync.set_attribute("hicache.agreed_ops", 2)
     with request_span("run-A", 11, coords):
         pass
-    backup = start_transfer("backup", src="l2", dst="l3", pages=3, nbytes=3 * 4096, coords=coords,
+    backup = start_transfer("backup", pages=3, nbytes=3 * 4096, coords=coords,
                             key_scheme="unified",
                             links=[request_link("run-A", 11), request_link("run-A", 12)])
     finish_transfer(backup)
     worker = threading.Thread(target=lambda: finish_transfer(start_transfer(
-        "write", src="l1", dst="l2", pages=1, nbytes=4096, coords=coords, parent=step)))
+        "write", pages=1, nbytes=4096, coords=coords, parent=step)))
     worker.start()
     worker.join(10)
-    load = start_transfer("load", src="l2", dst="l1", pages=2, nbytes=8192, coords=coords)
+    load = start_transfer("load", pages=2, nbytes=8192, coords=coords)
     finish_transfer(load, error=StorageError("page 3 unreadable"))
     try:
         with storage_span("batch_get", keys=3, coords=coords, backend="file"):

@@ -26,7 +26,7 @@ from hicache_async.parallel.topology import RankCoords
 coords = RankCoords.of(int(sys.argv[1]), 2, 1, 1)
 tel = setup_telemetry(coords=coords, run_id="run-F", trace_file=sys.argv[2])
 with step_span("run-F", 1, coords) as step:
-    load = start_transfer("load", src="l2", dst="l1", pages=2, nbytes=64, coords=coords,
+    load = start_transfer("load", pages=2, nbytes=64, coords=coords,
                           links=[request_link("run-F", 3)])
     finish_transfer(load)
 tel.shutdown()

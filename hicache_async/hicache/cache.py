@@ -2,23 +2,23 @@
 
 Every decision here is a pure function of the tree and the pools, both of which change
 only through calls made in the same order on every rank, so ranks stay identical. Each
-decision is folded into `digest`, which the agreement compares across ranks. The tree and
-the pools' allocators are this tier's alone: callers use the paired verbs below.
+decision is folded into the ledger's digest, which the agreement compares across ranks.
+Ops go into the step ledger; the plugin hands back the ones every rank retired.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..config import CacheConfig
+from ..kinds import TransferKind
 from ..parallel.topology import RankCoords
 from ..transfer.copier import Copier
-from ..transfer.events import CompletionEvent
 from ..transfer.pool import DevicePool, HostPool
+from .ledger import Ledger
 from .op_tracing import OpTracer
-from .ops import AckQueue, CacheOp, settle
+from .ops import CacheOp
 from .radix import Match, Node, RadixTree
 
 WRITE_ON_EVICT = ("write_back", "write_through_selective")
@@ -37,21 +37,16 @@ class Admitted:
 
 class TieredCache:
     def __init__(self, config: CacheConfig, device: DevicePool, host: HostPool,
-                 tracer: OpTracer | None = None) -> None:
+                 ledger: Ledger | None = None) -> None:
         self.config = config
         self.device, self.host = device, host
         self.tree = RadixTree(config.page_size)
         self.copier = Copier(device, host)
-        self.tracer = tracer or OpTracer("local", RankCoords(), config.key_scheme)   # used alone
-        self.writes = AckQueue("write")
-        self.loads = AckQueue("load")
-        self.digest = 0
+        self.ledger = ledger or Ledger(OpTracer("local", RankCoords(), config.key_scheme),
+                                       timeout_s=config.sync_timeout_s)   # a cache used alone
+        self.note = self.ledger.note
+        self.tracer = self.ledger.tracer
         self.dropped_pages = 0
-
-    def note(self, *decision: object) -> None:
-        """Fold one cache decision into the running digest (62 bits, so -digest fits)."""
-        h = hashlib.blake2b(repr((self.digest, decision)).encode(), digest_size=8).digest()
-        self.digest = int.from_bytes(h, "little") >> 2
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -160,27 +155,6 @@ class TieredCache:
         finally:
             self.tree.pin(node, -1)
 
-    # -- locks the storage tier takes -----------------------------------------------------------
-
-    def pin(self, node: Node | None) -> None:
-        """Keep `node`'s path on both tiers while an op reads or grafts under it."""
-        self.tree.pin(node)
-
-    def unpin(self, node: Node | None) -> None:
-        self.tree.pin(node, -1)
-
-    def lock_host(self, node: Node | None) -> None:
-        """Keep `node`'s host pages while a backup reads them."""
-        self.tree.lock_host(node)
-
-    def unlock_host(self, node: Node | None) -> None:
-        self.tree.lock_host(node, -1)
-
-    def graft(self, tokens: list[int], first_page: int, hashes: list[str], host_pages: list[int]) -> list[int]:
-        """Cache pages fetched from L3 as host-only pages under the prefix; returns those that
-        someone cached meanwhile, for `free_host`."""
-        return self.tree.graft_host(tokens, first_page, hashes, host_pages)
-
     # -- ops --------------------------------------------------------------------------------
 
     def write(self, node: Node) -> bool:
@@ -192,10 +166,9 @@ class TieredCache:
         events = self.copier.write(node.device, pages)
         self.tree.set_host(node, pages)
         self.tree.pin(node)
-        op = CacheOp("write", node, events, node.num_pages, node.num_pages * self.host.layout.page_bytes,
-                     hashes=list(node.hashes), host_pages=list(pages))
-        self.tracer.issue(op, [])
-        self.writes.push(op)
+        self.ledger.issue(CacheOp(TransferKind.WRITE, node, events, node.num_pages,
+                                  node.num_pages * self.host.layout.page_bytes,
+                                  hashes=list(node.hashes), host_pages=list(pages)))
         return True
 
     def _load(self, nodes: list[Node], device_pages: list[int], request_id: int) -> CacheOp:
@@ -208,34 +181,17 @@ class TieredCache:
             self.tree.set_device(n, device_pages[i: i + n.num_pages])
             i += n.num_pages
         self.tree.pin(nodes[-1])
-        op = CacheOp("load", nodes[-1], events, len(host_pages), len(host_pages) * self.host.layout.page_bytes)
-        self.tracer.issue(op, [request_id])
-        self.loads.push(op)
+        op = CacheOp(TransferKind.LOAD, nodes[-1], events, len(host_pages),
+                     len(host_pages) * self.host.layout.page_bytes)
+        self.ledger.issue(op, [request_id])
         return op
 
     # -- retirement -------------------------------------------------------------------------
 
-    def busy(self) -> bool:
-        return len(self.writes) > 0 or len(self.loads) > 0
-
-    def ready(self) -> tuple[int, int]:
-        """Leading writes and loads this rank has completed: its offer for the agreement."""
-        return self.writes.ready(), self.loads.ready()
-
-    def heads(self) -> list[CompletionEvent]:
-        """Completion events of the ops that retire next: what an idle loop may wait on."""
-        return [op.done for op in (self.writes.head(), self.loads.head()) if op is not None]
-
-    async def retire(self, step: int, *, writes: int, loads: int) -> list[CacheOp]:
-        """Retire the agreed leading writes and loads, whose pages may be evicted again;
-        returns the writes, which are due for backup."""
-        due = self.writes.retire(writes)
-        for op in due + self.loads.retire(loads):
-            await settle(op, step, self.tracer, self.config.sync_timeout_s)
+    def retired(self, ops: list[CacheOp]) -> None:
+        """Writes and loads every rank retired: their pages may be evicted again."""
+        for op in ops:
             self.tree.pin(op.node, -1)
-        self.tracer.metrics.queue_depth("write", len(self.writes))
-        self.tracer.metrics.queue_depth("load", len(self.loads))
-        return due
 
     def close(self) -> None:
         self.copier.close()

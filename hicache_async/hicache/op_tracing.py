@@ -1,17 +1,18 @@
 """One rank's cache telemetry: a span per agreed step, a span per admitted request, a span per
 transfer from issue to retirement, and the cache metrics.
 
-The plugin passes it down to the tiers, which call `issue` as they issue ops and `retired` once
-every rank agreed an op is done (`abandoned` for one the plugin's exit cancelled).
+The step ledger calls `issue` as tiers issue ops and `retired` once every rank agreed an op is
+done (`abandoned` for one the plugin's exit cancelled).
 """
 from __future__ import annotations
 
 import time
 
+from ..kinds import TransferKind
 from ..parallel.topology import RankCoords
 from ..request import Request
 from ..telemetry import spans
-from .ops import ROUTES, CacheOp
+from .ops import CacheOp
 from .prefetch_cost import Decision
 
 
@@ -19,7 +20,7 @@ class OpTracer:
     def __init__(self, run_id: str, coords: RankCoords, key_scheme: str) -> None:
         self.run_id, self.coords, self.key_scheme = run_id, coords, key_scheme
         self.metrics = spans.CacheMetrics()
-        self.transfers = {kind: 0 for kind in ROUTES}     # retired, by kind
+        self.transfers = {kind.value: 0 for kind in TransferKind}     # retired, by kind
         self.step_span = None
 
     def begin_step(self, step: int) -> None:
@@ -36,11 +37,11 @@ class OpTracer:
             pass
 
     def issue(self, op: CacheOp, request_ids: list[int]) -> None:
-        src, dst = ROUTES[op.kind]
+        src, dst = op.kind.route
         links = [spans.request_link(self.run_id, r) for r in request_ids]
         op.span = spans.start_transfer(
-            op.kind, src=src, dst=dst, pages=op.pages, nbytes=op.nbytes, coords=self.coords,
-            key_scheme=self.key_scheme if op.kind in ("backup", "prefetch") else None,
+            op.kind, pages=op.pages, nbytes=op.nbytes, coords=self.coords,
+            key_scheme=self.key_scheme if op.kind.storage else None,
             links=links, parent=self.step_span)
 
     def retired(self, op: CacheOp, step: int, attrs: dict | None = None) -> None:
@@ -52,8 +53,8 @@ class OpTracer:
         for reason in ("corrupt", "missing"):
             if failed.get(f"hicache.{reason}"):
                 self.metrics.bad_objects(reason, failed[f"hicache.{reason}"])
-        self.transfers[op.kind] += 1
-        self.metrics.transfer(op.kind, op.nbytes, time.perf_counter() - op.started)
+        self.transfers[op.kind.value] += 1
+        self.metrics.transfer(op.kind.value, op.nbytes, time.perf_counter() - op.started)
         if op.span is not None:
             outcome = "error" if error is not None or any(failed.values()) else "ok"
             spans.finish_transfer(op.span, result=outcome, error=error,

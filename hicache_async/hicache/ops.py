@@ -1,28 +1,22 @@
-"""Cache operations in flight, the FIFO ack queues that retire them, and retiring one."""
+"""Cache operations in flight, and the FIFO ack queue each kind retires through."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..transfer.copier import CopyFailed
+from ..kinds import TransferKind
 from ..transfer.events import CompletionEvent
 from .radix import Node
-
-if TYPE_CHECKING:
-    from .op_tracing import OpTracer
-
-# The tiers each kind of transfer moves pages between: (source, destination).
-ROUTES = {"write": ("l1", "l2"), "load": ("l2", "l1"), "backup": ("l2", "l3"), "prefetch": ("l3", "l2")}
 
 
 @dataclass(eq=False)
 class CacheOp:
     """One batch transfer. `events[-1]` completing means the whole op is done."""
 
-    kind: str
+    kind: TransferKind
     node: Node | None
     events: list[CompletionEvent]
     pages: int
@@ -52,7 +46,9 @@ class StorageOp(CacheOp):
     wanted: bool = False           # the request reached the head of admission (best_effort)
     cancel: threading.Event = field(default_factory=threading.Event)
     result: Any = None
-    deadline: float = float("inf")
+    deadline: float = float("inf")  # when its policy gives up on it, in the ledger clock's seconds
+    committed: int = 0             # pages every rank fetched: what retiring it grafts
+    terminated: bool = False       # retired before it finished: its policy gave up on it
 
     @property
     def fetched_pages(self) -> int:
@@ -63,7 +59,7 @@ class StorageOp(CacheOp):
 class AckQueue:
     """Ops of one kind in issue order; only a leading run of completed ops may retire."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: TransferKind) -> None:
         self.kind = kind
         self._ops: deque[CacheOp] = deque()
 
@@ -79,26 +75,7 @@ class AckQueue:
     def push(self, op: CacheOp) -> None:
         self._ops.append(op)
 
-    def ready(self) -> int:
-        """Length of the leading run whose completion events query true."""
-        n = 0
-        for op in self._ops:
-            if not op.done.query():
-                break
-            n += 1
-        return n
-
     def retire(self, n: int) -> list[CacheOp]:
         if n > len(self._ops):
             raise AssertionError(f"{self.kind} queue: asked to retire {n} of {len(self._ops)} ops")
         return [self._ops.popleft() for _ in range(n)]
-
-
-async def settle(op: CacheOp, step: int, tracer: OpTracer, timeout_s: float, attrs: dict | None = None) -> None:
-    """Retire an op every rank agreed is done: a later pipeline stage may get there before its
-    own copy finished, so await it (bounded); a failed copy stops the run, naming the op."""
-    if not op.done.query():
-        await op.done.wait(timeout_s, f"{tracer.coords.label()}: {op.kind} op at step {step}")
-    if op.done.error is not None:
-        raise CopyFailed(f"{tracer.coords.label()}: {op.kind} op of {op.pages} pages failed: {op.done.error}")
-    tracer.retired(op, step, attrs)

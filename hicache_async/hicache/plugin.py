@@ -2,8 +2,8 @@
 
 The scheduler calls `admit`, `layer_ready`, `finish` and, once per iteration, `on_step`,
 inside `async with plugin:`, which owns the storage workers. Ops are issued synchronously
-from those calls; their completion is only acted on in `on_step`, after every rank agreed
-how many of each queue to retire.
+from those calls into the step ledger; their completion is only acted on in `on_step`,
+which reaps, offers, agrees, retires and dispatches, in that order.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from ..api import EngineContext, KVPlugin
 from ..config import CacheConfig
 from ..errors import UsageError
 from ..keys import make_key_scheme
-from ..parallel.agreement import Agreement, LocalAgreement, StepMessage
+from ..kinds import TransferKind
+from ..parallel.agreement import Agreement, LocalAgreement
 from ..request import Request
 from ..storage.guarded import GuardedStorage
 from ..storage.traced import TracedStorage
@@ -27,6 +28,7 @@ from ..transfer.page_store import PageStore, StoreCounters
 from ..transfer.pool import HostPool
 from .admission import Admissions
 from .cache import TieredCache
+from .ledger import Ledger, StepMessage
 from .op_tracing import OpTracer
 from .prefetch_cost import PrefetchCost
 from .storage_tier import StorageTier
@@ -43,6 +45,7 @@ class HiCachePlugin(KVPlugin):
         self.step_us: list[float] = []
         self.most_pending_sends = 0
         self.tracer: OpTracer | None = None     # from attach: it needs the engine's placement
+        self.ledger: Ledger | None = None
         self.cache: TieredCache | None = None
         self.l3: StorageTier | None = None
         self._tasks: TaskGroup | None = None    # while entered: owns the storage workers
@@ -57,7 +60,8 @@ class HiCachePlugin(KVPlugin):
         if engine.layout.page_size != cfg.page_size:
             raise UsageError(f"engine page size {engine.layout.page_size} != cache page size {cfg.page_size}")
         self.tracer = OpTracer(engine.run_id, coords, cfg.key_scheme)
-        self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages), self.tracer)
+        self.ledger = Ledger(self.tracer, engine.clock, cfg.sync_timeout_s)
+        self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages), self.ledger)
         if self.storage is not None:
             # Every CP rank holds the full KV of its pages; when only CP rank 0 transfers, the
             # others read the objects it wrote.
@@ -91,7 +95,7 @@ class HiCachePlugin(KVPlugin):
         return self.admissions.kv_origin(req)
 
     def busy(self) -> bool:
-        return self.cache.busy() or (self.l3 is not None and self.l3.busy())
+        return self.ledger.busy()
 
     async def wait_progress(self, timeout_s: float) -> None:
         """Return once this rank could retire an op, or after `timeout_s` at most.
@@ -101,20 +105,16 @@ class HiCachePlugin(KVPlugin):
         events, and a prefetch head's policy deadline. It returns at once when this rank has
         something ready even if other ranks do not: the next step's agreement waits for them.
         """
-        if any(self.cache.ready()):
+        if self.ledger.ready_any():
             return
-        heads = self.cache.heads()
         if self.l3 is not None:
-            backups, prefetch_pages = self.l3.ready()
-            if backups or prefetch_pages:
-                return
-            heads += self.l3.heads()
-            timeout_s = min(timeout_s, max(0.0, self.l3.next_deadline() - time.monotonic()))
-        await first_completion(heads, timeout_s)
+            timeout_s = min(timeout_s, max(0.0, self.l3.next_deadline() - self.ledger.clock.now()))
+        await first_completion(self.ledger.heads(), timeout_s)
 
     # -- the per-step hook ----------------------------------------------------------------
 
     async def on_step(self) -> None:
+        """Reap -> offer -> agree -> retire -> dispatch."""
         start = time.perf_counter()
         self.step += 1
         if self._solo and not self.busy():
@@ -122,36 +122,35 @@ class HiCachePlugin(KVPlugin):
             return
         self.tracer.begin_step(self.step)
         await self.agreement.reap()
+        gives_up = self.l3.gives_up if self.l3 is not None else lambda op: False
+        offer = await self.ledger.offer(self.step, gives_up, self.prefetch_cost.offer())
         with spans.pp_sync_span(self.engine.coords, parent=self.tracer.step_span) as span:
-            agreed = await self.agreement.agree(self._offer(), self.step,
-                                                l3_pending=self.l3 is not None and self.l3.busy())
+            world = StepMessage.L3 if self.ledger.l3_active() else None
+            agreed = StepMessage.unpack(await self.agreement.agree(offer.pack(), self.ledger.digest, self.step, world))
             if span.is_recording():
                 span.set_attributes({"hicache.step": self.step, "hicache.agreed": agreed.pack()})
         self.prefetch_cost.agreed(agreed.l3_kbps)
-        await self._retire(agreed)
+        self._dispatch(await self.ledger.retire(agreed, self.step))
         self.most_pending_sends = max(self.most_pending_sends, self.agreement.pending_sends)
         self.step_us.append((time.perf_counter() - start) * 1e6)
 
-    def _offer(self) -> StepMessage:
-        """What this rank could retire now, for the agreement."""
-        writes, loads = self.cache.ready()
-        backups, pages = self.l3.ready() if self.l3 is not None else (0, [])
-        return StepMessage(writes, loads, backups, len(pages), tuple(pages), self.prefetch_cost.offer(),
-                           self.cache.digest)
-
-    async def _retire(self, agreed: StepMessage) -> None:
-        due = await self.cache.retire(self.step, writes=agreed.writes, loads=agreed.loads)
+    def _dispatch(self, retired: dict[TransferKind, list]) -> None:
+        """Hand each tier the ops every rank retired; retired writes are due for backup."""
+        writes = retired[TransferKind.WRITE]
+        self.cache.retired(writes + retired[TransferKind.LOAD])
         if self.l3 is None:
             return
-        self.l3.back_up(due)
-        for op in await self.l3.retire(self.step, backups=agreed.backups, prefetch_pages=agreed.prefetch_pages):
+        self.l3.back_up(writes)
+        prefetches = retired[TransferKind.PREFETCH]
+        self.l3.retired(retired[TransferKind.BACKUP], prefetches)
+        for op in prefetches:
             self.prefetch_cost.observe(getattr(op.result, "bytes", 0), op.seconds)
             self.admissions.prefetched(op)
 
     def report(self) -> dict:
         counters = self.l3.store.counters if self.l3 else StoreCounters()
         return {**self.admissions.stats, "transfers": dict(self.tracer.transfers), "steps": self.step,
-                "digest": self.cache.digest, "storage_errors": self.l3.errors if self.l3 else 0,
+                "digest": self.ledger.digest, "storage_errors": self.l3.errors if self.l3 else 0,
                 "corrupt_objects": counters.corrupt_objects, "missing_objects": counters.missing_objects,
                 "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,

@@ -5,18 +5,17 @@ run on worker threads (`anyio.to_thread`) so the event loop never waits on I/O, 
 capacity limiter per kind, so a burst of backups never delays a prefetch a request waits
 on. An op moves SLICE_PAGES at a time and queues for its limiter again after each slice,
 behind whatever queued meanwhile (the limiter is FIFO), so a long op shares the workers
-with short ones instead of holding them up. Completion is signalled on the op's event,
-which `on_step` polls. Both kinds retire through ack queues and the per-step agreement,
-like L1/L2 ops: a prefetch commits only the pages that every rank fetched (MIN), so trees
-stay identical.
+with short ones instead of holding them up. Completion is signalled on the op's event.
+Both kinds go into the step ledger and retire through the per-step agreement, like L1/L2
+ops: a prefetch commits only the pages that every rank fetched (MIN), so trees stay
+identical. The tier works on the tree and the host pool itself; it asks the cache only for
+host room, which may evict.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-import time
-
 import anyio
 from anyio.abc import TaskGroup
 from opentelemetry import trace
@@ -24,11 +23,11 @@ from opentelemetry.trace import INVALID_SPAN
 
 from ..config import CacheConfig
 from ..errors import HiCacheError
-from ..parallel.agreement import PREFETCH_SLOTS
-from ..transfer.events import CompletionEvent, HostEvent
+from ..kinds import TransferKind
+from ..transfer.events import HostEvent
 from ..transfer.page_store import PageStore
 from .cache import TieredCache
-from .ops import AckQueue, CacheOp, StorageOp, settle
+from .ops import CacheOp, StorageOp
 from .radix import Node
 
 log = logging.getLogger(__name__)
@@ -38,11 +37,11 @@ SLICE_PAGES = 64   # pages a worker moves before the op queues again
 class StorageTier:
     def __init__(self, cache: TieredCache, store: PageStore, config: CacheConfig,
                  tasks: TaskGroup | None = None) -> None:
-        self.cache, self.store, self.config, self.tracer = cache, store, config, cache.tracer
+        self.cache, self.store, self.config = cache, store, config
+        self.tree, self.host, self.ledger = cache.tree, cache.host, cache.ledger
         self.tasks = tasks      # the owner's task group, once it is entered
-        self.backups = AckQueue("backup")
-        self.prefetches = AckQueue("prefetch")
-        self._workers = {kind: anyio.CapacityLimiter(config.storage_workers) for kind in ("backup", "prefetch")}
+        self._workers = {kind: anyio.CapacityLimiter(config.storage_workers)
+                         for kind in (TransferKind.BACKUP, TransferKind.PREFETCH)}
         self.errors = 0
         self.terminated = 0     # prefetches the policy ended before they finished
 
@@ -50,13 +49,13 @@ class StorageTier:
 
     def back_up(self, writes: list[CacheOp]) -> None:
         """Copy retired writes' host pages to storage; the host pages stay locked till then."""
-        page_bytes = self.cache.host.layout.page_bytes
+        page_bytes = self.host.layout.page_bytes
         for write in writes:
-            op = StorageOp("backup", write.node, [HostEvent()], write.pages, write.pages * page_bytes,
+            op = StorageOp(TransferKind.BACKUP, write.node, [HostEvent()], write.pages, write.pages * page_bytes,
                            hashes=write.hashes, host_pages=write.host_pages)
-            self.cache.lock_host(write.node)
-            self.cache.note("backup", write.node.id, write.pages)
-            self._start(op, self.store.backup, op.hashes, op.host_pages, self.backups)
+            self.tree.lock_host(write.node)
+            self.ledger.note("backup", write.node.id, write.pages)
+            self._start(op, self.store.backup, op.hashes, op.host_pages)
 
     def prefetch(self, request_id: int, parent: Node | None, tokens: list[int], first_page: int,
                  hashes: list[str]) -> StorageOp | None:
@@ -65,23 +64,22 @@ class StorageTier:
         pages = self.cache.alloc_host(n, keep=parent)   # room, but not by evicting the graft point
         if pages is None:
             return None
-        self.cache.pin(parent)
-        self.cache.note("prefetch", request_id, first_page, n)
-        op = StorageOp("prefetch", parent, [HostEvent()], n, n * self.cache.host.layout.page_bytes,
+        self.tree.pin(parent)
+        self.ledger.note("prefetch", request_id, first_page, n)
+        op = StorageOp(TransferKind.PREFETCH, parent, [HostEvent()], n, n * self.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
-                       first_page=first_page, deadline=time.monotonic() + self._patience(n))
+                       first_page=first_page, deadline=self.ledger.clock.now() + self._patience(n))
         self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel), hashes[first_page:],
-                    pages, self.prefetches, (request_id,))
+                    pages, [request_id])
         return op
 
-    def _start(self, op: StorageOp, call, hashes: list[str], host_pages: list[int], queue: AckQueue,
-               request_ids: tuple[int, ...] = ()) -> None:
+    def _start(self, op: StorageOp, call, hashes: list[str], host_pages: list[int],
+               request_ids: list[int] = ()) -> None:
         if self.tasks is None:
             raise HiCacheError("storage ops run in the plugin's task group: use the plugin as "
                                "`async with plugin:` around the scheduler loop")
-        self.tracer.issue(op, list(request_ids))
+        self.ledger.issue(op, request_ids)
         self.tasks.start_soon(self._run, op, call, hashes, host_pages, name=f"hicache {op.kind}")
-        queue.push(op)
 
     async def _run(self, op: StorageOp, call, hashes: list[str], host_pages: list[int]) -> None:
         """Move the op's pages slice by slice, queueing for a worker before each; its event
@@ -103,7 +101,7 @@ class StorageTier:
         stop = min(start + SLICE_PAGES, len(hashes))
         try:
             with trace.use_span(op.span or INVALID_SPAN, end_on_exit=False):
-                part = call(hashes[start:stop], self.cache.host, host_pages[start:stop])
+                part = call(hashes[start:stop], self.host, host_pages[start:stop])
             op.result = part if start == 0 else _sum(op.result, part)
             whole = getattr(part, "pages", stop - start) == stop - start
             complete = stop == len(hashes) or not whole or op.cancel.is_set()
@@ -123,66 +121,37 @@ class StorageTier:
 
     # -- this rank's view for the agreement ---------------------------------------------------
 
-    def busy(self) -> bool:
-        return len(self.backups) > 0 or len(self.prefetches) > 0
-
-    def ready(self) -> tuple[int, list[int]]:
-        """Leading backups this rank completed, and the pages each leading prefetch it can
-        commit now fetched (0 for one its policy gives up on)."""
-        policy = self.config.prefetch_policy
-        now = time.monotonic()
-        pages: list[int] = []
-        for op in self.prefetches:
-            if len(pages) == PREFETCH_SLOTS:
-                break
-            if op.done.query():
-                pages.append(op.fetched_pages)
-            elif (policy == "best_effort" and op.wanted) or now > op.deadline:
-                pages.append(0)
-            else:
-                break
-        return self.backups.ready(), pages
-
-    def heads(self) -> list[CompletionEvent]:
-        """Completion events of the ops that retire next: what an idle loop may wait on."""
-        return [op.done for op in (self.backups.head(), self.prefetches.head()) if op is not None]
+    def gives_up(self, op: StorageOp) -> bool:
+        """Whether the prefetch policy stops waiting for an unfinished prefetch now: best_effort
+        once its request is wanted, every policy at its deadline."""
+        return (self.config.prefetch_policy == "best_effort" and op.wanted) or self.ledger.clock.now() > op.deadline
 
     def next_deadline(self) -> float:
-        """When the head prefetch's policy gives up on it (monotonic; inf if none)."""
-        head = self.prefetches.head()
+        """When the head prefetch's policy gives up on it (clock seconds; inf if none)."""
+        head = self.ledger.queues[TransferKind.PREFETCH].head()
         return head.deadline if head is not None else float("inf")
 
-    # -- retire -----------------------------------------------------------------------------
+    # -- retired ----------------------------------------------------------------------------
 
-    async def retire(self, step: int, *, backups: int, prefetch_pages: list[int]) -> list[StorageOp]:
-        """Retire the agreed leading backups, and one leading prefetch per entry of
-        `prefetch_pages`, committing that many of its pages; returns the prefetches."""
-        for op in self.backups.retire(backups):
-            await settle(op, step, self.tracer, self.config.sync_timeout_s)
-            self.cache.unlock_host(op.node)
+    def retired(self, backups: list[StorageOp], prefetches: list[StorageOp]) -> None:
+        """Ops every rank retired: backups give back their host lock, prefetches commit."""
+        for op in backups:
+            self.tree.lock_host(op.node, -1)
             self._count_errors(op)
-        done = self.prefetches.retire(len(prefetch_pages))
-        for op, pages in zip(done, prefetch_pages):
-            if not op.done.query():
-                op.cancel.set()      # the policy terminated it: stop the worker, keep what all have
-                self.terminated += 1
-            op.nbytes = pages * self.cache.host.layout.page_bytes
-            await settle(op, step, self.tracer, self.config.sync_timeout_s, {"hicache.pages_committed": pages})
-            self._commit(op, pages)
-        self.tracer.metrics.queue_depth("backup", len(self.backups))
-        self.tracer.metrics.queue_depth("prefetch", len(self.prefetches))
-        return done
+        for op in prefetches:
+            self.terminated += op.terminated
+            self._commit(op)
 
-    def _commit(self, op: StorageOp, agreed_pages: int) -> None:
-        """Graft the agreed pages under the prefix and free the rest. The op's task has ended
-        (settled), so the host pages are quiet, and they are freed at the same step on every rank."""
-        cache = self.cache
-        cache.unpin(op.node)
-        cache.note("prefetch-done", op.request_id, agreed_pages)
-        unused = op.host_pages[agreed_pages:]
-        if agreed_pages:
-            unused += cache.graft(list(op.tokens), op.first_page, op.hashes, op.host_pages[:agreed_pages])
-        cache.free_host(unused)
+    def _commit(self, op: StorageOp) -> None:
+        """Graft the pages every rank fetched under the prefix and free the rest. The op's task
+        has ended (settled), so the host pages are quiet, and they are freed at the same step on
+        every rank."""
+        self.tree.pin(op.node, -1)
+        self.ledger.note("prefetch-done", op.request_id, op.committed)
+        unused = op.host_pages[op.committed:]
+        if op.committed:
+            unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed])
+        self.host.alloc.release(unused)
         self._count_errors(op)
 
     def _count_errors(self, op: StorageOp) -> None:
@@ -196,19 +165,17 @@ class StorageTier:
 
     def stop(self) -> None:
         """Tell running prefetches to stop at their next object: nobody will wait for them."""
-        for op in self.prefetches:
+        for op in self.ledger.queues[TransferKind.PREFETCH]:
             op.cancel.set()
 
     def abandon(self) -> None:
         """Once no task runs: give back what unretired ops hold (a cancelled prefetch its host
         pages, a backup its host lock), so the cache is whole again."""
-        for op in self.backups.retire(len(self.backups)):
-            self.cache.unlock_host(op.node)
-            self.tracer.abandoned(op)
-        for op in self.prefetches.retire(len(self.prefetches)):
-            self.cache.unpin(op.node)
-            self.cache.free_host(op.host_pages)
-            self.tracer.abandoned(op)
+        for op in self.ledger.drain(TransferKind.BACKUP):
+            self.tree.lock_host(op.node, -1)
+        for op in self.ledger.drain(TransferKind.PREFETCH):
+            self.tree.pin(op.node, -1)
+            self.host.alloc.release(op.host_pages)
 
 
 def _sum(a, b):

@@ -3,9 +3,9 @@
 Stage 0 reduces the packed message over its TP x CP group; each later stage awaits it from
 the stage before, folds in its own digest, and forwards it with a non-blocking send. It runs
 every step on every rank, even with nothing pending: a rank that skipped it would leave its
-peers waiting. With pp > 1 and storage ops pending, the storage fields are first MIN-reduced
-over the whole world, so no stage retires an L3 op before its own copy of it is done (the
-fast path, nothing pending, costs no extra collective).
+peers waiting. Fields the caller names `world` are first MIN-reduced over the whole world
+(with pp > 1), since a later stage would otherwise adopt stage 0's figure for them; the
+caller names none when nothing calls for it, and that fast path costs no extra collective.
 
 Sends are reaped by `reap()`, once per step, in one of two ways:
 - NCCL (and any backend whose send Works report completion): every send whose
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DivergenceError
-from .agreement import Agreement, StepMessage
+from .agreement import Agreement
 from .dist_wait import all_reduce, recv, wait_work
 from .topology import RankCoords
 
@@ -100,38 +100,35 @@ class PipelineAgreement(Agreement):
     async def reap(self) -> None:
         await self.sends.reap(self.agreements)
 
-    async def agree(self, msg: StepMessage, step: int, l3_pending: bool = False) -> StepMessage:
+    async def agree(self, values: list[int], digest: int, step: int, world: slice | None = None) -> list[int]:
         g, c, t = self.groups, self.coords, self.timeout_s
-        own = msg.digest
-        if l3_pending and c.pp_size > 1:
-            # Every stage stores and fetches its own layers of a page: an L3 op is done when all are.
-            fields = torch.tensor(msg.storage())
+        values = list(values)
+        if world is not None and c.pp_size > 1:
+            fields = torch.tensor(values[world], dtype=torch.int64)
             await all_reduce(fields, op=dist.ReduceOp.MIN, group=g.world, coords=c, timeout_s=t,
-                             what=f"storage agreement at step {step}")
-            msg = msg.with_storage(fields.tolist())
+                             what=f"world agreement at step {step}")
+            values[world] = fields.tolist()
             self.world_reductions += 1
-        tensor = torch.tensor(msg.pack(), dtype=torch.int64)
+        tensor = torch.tensor([*values, digest, -digest], dtype=torch.int64)
         if g.is_first_stage:
             await all_reduce(tensor, op=dist.ReduceOp.MIN, group=g.agree, coords=c, timeout_s=t,
                              what=f"pp_sync all_reduce at step {step}")
-            agreed = StepMessage.unpack(tensor.tolist())
-            if agreed.diverged:
-                await self._name_divergent(own, step)
+            low, high = int(tensor[-2]), -int(tensor[-1])
+            if low != high:
+                await self._name_divergent(digest, step)
         else:
             await recv(tensor, src=g.prev_stage, tag=SYNC_TAG, coords=c, timeout_s=t,
                        what=f"pp_sync recv from rank {g.prev_stage} at step {step}")
             self.received += 1
-            upstream = StepMessage.unpack(tensor.tolist())
-            agreed = upstream.fold_digest(own)
-            if agreed.diverged:
+            upstream = int(tensor[-2])
+            if digest != upstream or -int(tensor[-1]) != upstream:
                 raise DivergenceError(
-                    f"cache divergence at step {step}: {c.label()} digest {own:#x} != {upstream.digest:#x} "
+                    f"cache divergence at step {step}: {c.label()} digest {digest:#x} != {upstream:#x} "
                     f"agreed upstream by stage {c.pp_rank - 1} (rank {g.prev_stage})")
-            tensor = torch.tensor(agreed.pack(), dtype=torch.int64)   # with this stage's digest
         if g.next_stage is not None:
             self.sends.add(dist.isend(tensor, dst=g.next_stage, tag=SYNC_TAG), tensor, self.agreements)
         self.agreements += 1
-        return agreed
+        return tensor[:-2].tolist()
 
     async def _name_divergent(self, own: int, step: int) -> None:
         """Every first-stage rank saw the mismatch; gather the digests to name who differs."""

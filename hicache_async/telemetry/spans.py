@@ -29,13 +29,13 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from ..kinds import TransferKind
 from ..parallel.topology import RankCoords
 
 SCOPE = "hicache_async"
 STEP = "hicache.step"
 PP_SYNC = "hicache.pp_sync"
 REQUEST = "hicache.request"
-TRANSFER_KINDS = ("write", "load", "backup", "prefetch")
 STORAGE_OPS = ("batch_exists", "batch_get", "batch_set")
 TIERS = ("l1", "l2", "l3", "computed")
 
@@ -142,17 +142,21 @@ def pp_sync_span(coords: RankCoords, *, parent: Span | None = None) -> Iterator[
         yield span
 
 
-def start_transfer(kind: str, *, src: str, dst: str, pages: int, nbytes: int, coords: RankCoords,
+def start_transfer(kind: TransferKind | str, *, pages: int, nbytes: int, coords: RankCoords,
                    key_scheme: str | None = None, links: list[Link] | None = None,
                    attrs: Mapping[str, object] | None = None, parent: Span | None = None) -> Span:
     """Start (not as current) `hicache.transfer.<kind>` under `parent` or the current span."""
-    if kind not in TRANSFER_KINDS:
-        raise ValueError(f"unknown transfer kind {kind!r}: expected one of {', '.join(TRANSFER_KINDS)}")
+    try:
+        kind = TransferKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown transfer kind {kind!r}: expected one of "
+                         f"{', '.join(k.value for k in TransferKind)}") from None
+    src, dst = kind.route
     if not tracing_enabled():
         return INVALID_SPAN
     span = _tracer.start_span(f"hicache.transfer.{kind}", context=_in(parent), links=links)
     if span.is_recording():
-        span.set_attributes({"hicache.transfer.kind": kind, "hicache.tier.src": src,
+        span.set_attributes({"hicache.transfer.kind": kind.value, "hicache.tier.src": src,
                              "hicache.tier.dst": dst, "hicache.pages": pages, "hicache.bytes": nbytes,
                              **coords.attributes(), **(attrs or {})})
         if key_scheme is not None:

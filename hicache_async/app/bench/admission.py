@@ -11,6 +11,8 @@ import time
 
 from ...config import CacheConfig
 from ...hicache.cache import TieredCache
+from ...hicache.ledger import StepMessage
+from ...kinds import TransferKind
 from ...layout import KVLayout
 from ...transfer.pool import DevicePool, HostPool
 from .figure import figure
@@ -55,12 +57,14 @@ class _Workload:
 
     def step(self) -> None:
         """Retire every write, as `on_step` would: written nodes become evictable again."""
-        pending = len(self.cache.writes)
-        if pending:
-            while self.cache.ready()[0] < pending:       # one FIFO copy worker, as on a rank
+        writes = self.cache.ledger.queues[TransferKind.WRITE]
+        if len(writes):
+            while not all(op.done.query() for op in writes):   # one FIFO copy worker, as on a rank
                 time.sleep(1e-5)
             self.steps += 1
-            self.loop.run_until_complete(self.cache.retire(self.steps, writes=pending, loads=0))
+            retired = self.loop.run_until_complete(
+                self.cache.ledger.retire(StepMessage(writes=len(writes)), self.steps))
+            self.cache.retired(retired[TransferKind.WRITE])
 
     def us_per_admission(self, n: int) -> float:
         total = 0

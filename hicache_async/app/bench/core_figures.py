@@ -62,7 +62,7 @@ class _Transfers:
     async def round_trip(self, traced: bool) -> None:
         for kind in ("write", "load"):
             events = (self.copier.write if kind == "write" else self.copier.load)(self.pages, self.pages)
-            span = (spans.start_transfer(kind, src="l1", dst="l2", pages=len(self.pages),
+            span = (spans.start_transfer(kind, pages=len(self.pages),
                                              nbytes=self.nbytes, coords=RankCoords()) if traced else None)
             await events[-1].wait(60, f"bench {kind}")
             if span is not None:

@@ -20,7 +20,7 @@ from ...api import EngineContext
 from ...config import CacheConfig
 from ...hicache.plugin import HiCachePlugin
 from ...layout import KVLayout
-from ...parallel.agreement import StepMessage
+from ...hicache.ledger import StepMessage
 from ...parallel.pp_sync import SYNC_TAG, PipelineAgreement
 from ...sim.launcher import launch
 from ...transfer.pool import DevicePool
@@ -43,7 +43,7 @@ async def _on_step(plugin: HiCachePlugin, steps: int) -> float:
 
 
 def _raw(groups, steps: int) -> float:
-    msg = torch.tensor(StepMessage(digest=1).pack())
+    msg = torch.tensor([*StepMessage().pack(), 1, -1])
     sends = []
     start = time.perf_counter()
     for _ in range(steps):
