@@ -19,6 +19,7 @@ from ..transfer.pool import DevicePool, HostPool
 from .ledger import Ledger
 from .op_tracing import OpTracer
 from .ops import CacheOp
+from .page_history import PageHistory
 from .radix import Match, Node, RadixTree
 
 WRITE_ON_EVICT = ("write_back", "write_through_selective")
@@ -47,6 +48,7 @@ class TieredCache:
         self.note = self.ledger.note
         self.tracer = self.ledger.tracer
         self.dropped_pages = 0
+        self.history = PageHistory()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class TieredCache:
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
         """Cache a sequence's full pages; returns the caller's pages to free."""
         inserted = self.tree.insert(tokens, pages, hashes)
+        self.history.inserted(hashes[: len(tokens) // self.config.page_size])
         self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
         if self.config.write_policy == "write_through":
             for node in inserted.new_nodes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+
 import anyio
 from anyio.abc import TaskGroup
 from opentelemetry import trace
@@ -137,6 +138,7 @@ class StorageTier:
         """Ops every rank retired: backups give back their host lock, prefetches commit."""
         for op in backups:
             self.tree.lock_host(op.node, -1)
+            self.cache.history.backed_up(op.hashes, getattr(op.result, "ok", []))
             self._count_errors(op)
         for op in prefetches:
             self.terminated += op.terminated
