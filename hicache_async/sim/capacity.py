@@ -23,9 +23,9 @@ from . import units
 from .replay import run
 from .simulate import RunArgs
 
-TTFT_FIELDS = tuple(f"{who}ttft_ms_p{q}" for who in ("", "baseline_", "oracle_") for q in (50, 90, 99))
+TTFT_FIELDS = (*(f"{who}ttft_ms_p{q}" for who in ("", "baseline_", "oracle_") for q in (50, 90, 99)),
+               "ttft_p90_reduction_captured")
 CHECK_FIELDS = ("kv_verified_pages", "kv_mismatches", "seconds")
-LLAMA_8B_KV_BYTES_PER_TOKEN = 131072   # until a run reports its model's (32 layers x 8 kv heads x 128 x K,V x fp16)
 
 
 def parse_size(text: str) -> int:
@@ -90,11 +90,6 @@ def with_hardware(spec: ReplaySpec, **values) -> ReplaySpec:
     return dataclasses.replace(spec, hardware=dataclasses.replace(spec.hardware, **values))
 
 
-def kv_bytes_per_token(result: dict) -> int:
-    """The modelled model's KV bytes a token, as the run reports it."""
-    return result.get("kv_bytes_per_token", LLAMA_8B_KV_BYTES_PER_TOKEN)
-
-
 def parse_sweep(text: str, storage: str) -> tuple[str, list]:
     """`NAME=A,B,C` -> (NAME, sorted distinct values); a usage error naming the bad part otherwise."""
     name, sep, values = text.partition("=")
@@ -123,7 +118,7 @@ def sweep(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, name: str, values
         runs.append(result)
     stand_in = _stand_in_page_bytes(model, cache.page_size)
     return {"sweep": name, "label": knob.label, "unit": knob.unit, "capacity_of": knob.tier or "L2 host",
-            "trace": spec.trace, "rows": [_row(knob, v, r, stand_in) for v, r in zip(values, runs)], "runs": runs}
+            "trace": spec.trace, "model": runs[0]["model"], "rows": [_row(knob, v, r, stand_in) for v, r in zip(values, runs)], "runs": runs}
 
 
 def _stand_in_page_bytes(model: ReplayModelSpec, page_size: int) -> int:
@@ -139,7 +134,7 @@ def _row(knob: Knob, value, result: dict, stand_in_page_bytes: int) -> dict:
         pages = value // stand_in_page_bytes
     else:
         pages = value
-    tokens, per_token = pages * page_size, kv_bytes_per_token(result)
+    tokens, per_token = pages * page_size, result["kv_bytes_per_token"]
     hits = {f"{tier}_ratio": result["tiers"][tier]["share"] for tier in ("l1", "l2", "l3")}
     return {"value": value, "kv_bytes_per_token": per_token, "capacity_tokens": tokens,
             "capacity_gib": round(tokens * per_token / 2**30, 3), **hits,

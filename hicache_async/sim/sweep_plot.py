@@ -118,7 +118,7 @@ def _fixed_ticks(axis, at: list[float], labels: list[str]) -> None:
 def _fixed_part(table: dict) -> str:
     """What the sweep held still: the model and, for a hardware sweep, the host pool."""
     first = table["rows"][0]
-    held = [f"model {table['model']}"] if table.get("model") else []
+    held = [f"modelled {table['model']}"]
     if table["sweep"] == "kv-bytes-per-token":
         held.append(f"{table['capacity_of']} {units.tokens(first['capacity_tokens'])}")
     elif not _is_capacity(table):
