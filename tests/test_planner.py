@@ -1,6 +1,6 @@
 """The planner's pure parts: the hardware model's split of a page over ranks and its transfer
-times, bad planner flags, TTFT on the virtual clock with no cache and the ideal cache, and the
-per-request oracle against the total one."""
+times, bad planner flags, TTFT on the virtual clock with no cache and the ideal cache, the
+per-request oracle against the total one, and how a miss is named."""
 import dataclasses
 from pathlib import Path
 
@@ -12,6 +12,7 @@ from hicache_async.engine.replay_timing import timed_run
 from hicache_async.engine.replay_trace import TraceRequest, read_trace
 from hicache_async.engine.replay_workload import ReplaySpec
 from hicache_async.errors import UsageError
+from hicache_async.hicache.page_history import L3Look, Miss, PageHistory
 from hicache_async.parallel.topology import RankCoords
 from hicache_async.sim.oracle import unbounded_oracle
 from hicache_async.sim.reusable import reusable_tokens
@@ -123,3 +124,21 @@ def test_the_per_request_oracle_adds_up_to_the_total_and_keeps_tenants_apart():
     salted = [_Salted(i, 1100, (7, 8, 9), salt) for i, salt in enumerate(["a", "b", "a", None, None], 1)]
     assert reusable_tokens(salted, 64) == {1: 0, 2: 0, 3: 1088, 4: 0, 5: 1088}
     assert reusable_tokens(salted, 512) == {1: 0, 2: 0, 3: 1024, 4: 0, 5: 1024}
+
+
+def test_a_miss_is_named_by_what_became_of_its_page():
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    history = PageHistory()
+    history.inserted([a, b])
+    history.backed_up([a, b], [True, False])          # b's backup failed
+    assert history.why_absent(c, l3=True) is Miss.STILL_COMPUTING
+    assert history.why_absent(a, l3=False) is Miss.EVICTED
+    assert history.why_absent(a, l3=True) is Miss.EVICTED_WHILE_WAITING
+    assert history.why_absent(b, l3=True) is Miss.DROPPED_BEFORE_BACKUP
+    assert history.stored_run([c, a, a, b, a], 1) == 2
+    look = L3Look(first=2, end=6, beyond=Miss.STILL_COMPUTING, outcome=None)     # fetched pages 2..5
+    assert look.why_missed(1, committed=4) is None                               # before the look: not its call
+    assert look.why_missed(6, committed=4) is Miss.STILL_COMPUTING
+    assert look.why_missed(3, committed=2) is Miss.EVICTED_AFTER_FETCH
+    assert look.why_missed(4, committed=2) is Miss.CUT_SHORT
+    assert L3Look(2, 6, None, Miss.DECLINED).why_missed(5, committed=0) is Miss.DECLINED
