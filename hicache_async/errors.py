@@ -1,4 +1,10 @@
 """Error types the CLI maps to exit codes: usage -> 2, everything else -> 1."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
 
 
 class HiCacheError(Exception):
@@ -23,3 +29,13 @@ class DivergenceError(HiCacheError):
 
 class StorageError(HiCacheError):
     """An L3 backend failed (unreachable, out of space, I/O error)."""
+
+
+@contextmanager
+def bounded(timeout_s: float, what: str) -> Iterator[None]:
+    """anyio's deadline around a wait, turned into the one-line SyncTimeout naming `what`."""
+    try:
+        with anyio.fail_after(timeout_s):
+            yield
+    except TimeoutError:
+        raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None

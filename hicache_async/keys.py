@@ -20,20 +20,43 @@ import numpy as np
 from .errors import UsageError
 from .layout import KVLayout
 from .parallel.topology import RankCoords
+from .transfer import faults
 
 
-def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None) -> list[str]:
+def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None, *,
+                salt: str | None = None) -> list[str]:
     """Chained SHA-256 hex digest of each full page; a partial trailing page gets none.
 
     Each digest covers the previous page's digest bytes (or `prior`'s) and the page's token
     ids as 4-byte little-endian unsigned ints, so a page's key fixes its whole prefix.
-    Never Python's `hash()`: it is salted per process and would miss across processes.
+    A tenant's `salt` (vLLM's `cache_salt`) stands in for the previous digest of the first
+    page, so every page of two salts differs and one salt shares as before; a `prior` already
+    carries its chain's salt. Never Python's `hash()`: it is salted per process and would
+    miss across processes.
     """
+    if salt is not None and prior is not None:
+        raise ValueError("pass a salt or a prior, not both: the prior already carries its chain's salt")
+    if prior is None:
+        return [d.hex() for d in page_digests(token_ids, page_size, salt_digest(salt))]
     try:
-        prev = bytes.fromhex(prior) if prior is not None else b""
+        prev = bytes.fromhex(prior)
     except ValueError:
         raise ValueError(f"prior must be a hex digest, got {prior!r}") from None
     return [d.hex() for d in page_digests(token_ids, page_size, prev)]
+
+
+def salt_digest(salt: str | None) -> bytes:
+    """What a chain starts from: nothing for no salt, else a digest of the salt."""
+    if salt is None:
+        return b""
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return hashlib.sha256(b"hicache-async cache_salt\0" + salt.encode()).digest()
+
+
+def tenant_digest(salt: str | None) -> bytes:
+    """The 8 bytes a stored object's header names its tenant by; all zeros for no salt."""
+    return salt_digest(salt)[:8] if salt is not None else bytes(8)
 
 
 def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: bytes = b"") -> list[bytes]:
@@ -42,9 +65,10 @@ def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: b
         raise ValueError(f"page_size must be positive, got {page_size}")
     data = _packed(token_ids)
     step = page_size * 4
+    unchained = faults.injected() == "unchained-hash"
     out, prev = [], prior
     for start in range(0, len(data) - step + 1, step):
-        prev = hashlib.sha256(prev + data[start:start + step]).digest()
+        prev = hashlib.sha256((b"" if unchained else prev) + data[start:start + step]).digest()
         out.append(prev)
     return out
 

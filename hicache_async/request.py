@@ -16,6 +16,7 @@ class Request:
     cached: int = 0                                    # prompt tokens whose KV came from a cache tier
     kv_len: int = 0                                    # positions whose KV is in `pages`
     tag: Any = None                                    # the workload's label (conversation, turn)
+    cache_salt: str | None = None                      # the tenant (vLLM's name): no page is shared across salts
 
     @property
     def kv_tokens(self) -> list[int]:

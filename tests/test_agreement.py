@@ -7,9 +7,9 @@ import pytest
 
 from hicache_async.api import EngineContext
 from hicache_async.errors import DivergenceError, UsageError
+from hicache_async.hicache.ledger import PREFETCH_SLOTS, StepMessage
 from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.layout import KVLayout
-from hicache_async.hicache.ledger import PREFETCH_SLOTS, StepMessage
 from hicache_async.parallel.agreement import NOT_READY
 from hicache_async.parallel.pp_sync import REAP_AGE_STEPS, InFlightSends
 from hicache_async.parallel.topology import RankCoords

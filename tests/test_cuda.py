@@ -8,6 +8,7 @@ from hicache_async.layout import KVLayout
 from hicache_async.transfer.copier import Copier
 from hicache_async.transfer.events import CudaEvent
 from hicache_async.transfer.pool import DevicePool, HostPool
+from page_patterns import LAYOUTS, PATTERNS, assert_round_trip
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float16)
@@ -37,3 +38,10 @@ def test_copy_stream_waits_for_compute_that_produced_the_kv():
     events = Copier(device, host).write([0], [0])
     asyncio.run(events[-1].wait(30, "write"))
     assert bool((host.tensor[0] == 7).all())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("pattern", PATTERNS.values(), ids=PATTERNS.keys())
+def test_pages_land_exactly_in_both_directions_on_cuda(pattern, layout):
+    """The kernels read and write the pinned host pool in place: every pattern, byte for byte."""
+    assert_round_trip(layout, *pattern, device="cuda")

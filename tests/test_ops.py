@@ -4,17 +4,17 @@ import asyncio
 import pytest
 import torch
 
+from hicache_async.clock import OpClock
 from hicache_async.config import CacheConfig
 from hicache_async.errors import PoolExhausted, SyncTimeout
 from hicache_async.hicache.cache import TieredCache
-from hicache_async.clock import OpClock
 from hicache_async.hicache.ledger import Ledger, StepMessage
 from hicache_async.hicache.op_tracing import OpTracer
 from hicache_async.hicache.ops import CacheOp
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.topology import RankCoords
-from hicache_async.transfer.copier import Copier, runs
+from hicache_async.transfer.copier import Copier
 from hicache_async.transfer.events import HostEvent, first_completion
 from hicache_async.transfer.pool import DevicePool, HostPool, PageAllocator
 
@@ -154,8 +154,3 @@ def test_selective_write_on_match_never_evicts_the_host_hits_it_returns():
     assert match.host_nodes == [lower] and lower.id in cache.tree.nodes
     assert lower.host is not None
     cache.close()
-
-
-def test_page_runs_coalesce_only_when_both_sides_are_consecutive():
-    assert runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
-    assert runs([1, 2], [5, 3]) == [(1, 5, 1), (2, 3, 1)]

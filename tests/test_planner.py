@@ -135,7 +135,12 @@ def test_a_miss_is_named_by_what_became_of_its_page():
     assert history.why_absent(a, l3=False) is Miss.EVICTED
     assert history.why_absent(a, l3=True) is Miss.EVICTED_WHILE_WAITING
     assert history.why_absent(b, l3=True) is Miss.DROPPED_BEFORE_BACKUP
-    assert history.stored_run([c, a, a, b, a], 1) == 2
+    never = lambda hashes: 0       # noqa: E731 - an empty store
+    assert history.stored_run([c, a, a, b, a], 1, never) == 2
+    d = "d" * 64                   # never cached in this run: only the store can say
+    assert history.stored_run([a, c, d, b], 0, lambda hashes: len(hashes)) == 3
+    assert history.stored_run([a, c, d, a], 0, lambda hashes: 1) == 2
+    assert history.stored_run([c, a], 0, never) == 0
     look = L3Look(first=2, end=6, beyond=Miss.STILL_COMPUTING, outcome=None)     # fetched pages 2..5
     assert look.why_missed(1, committed=4) is None                               # before the look: not its call
     assert look.why_missed(6, committed=4) is Miss.STILL_COMPUTING

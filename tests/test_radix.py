@@ -64,11 +64,13 @@ def test_leaf_iteration_refuses_to_resume_after_a_leaf_is_re_keyed():
 
 class TreeMachine(RuleBasedStateMachine):
     """Random inserts, matches, locks, writes, loads, grafts and evictions against real page
-    allocators. Locks are tracked here too, so eviction is checked against an independent
-    record of what is held, not against the lock counts it filters on."""
+    allocators, over three tenants' trees (no salt, "a", "b") sharing the pools. Locks are
+    tracked here too, so eviction is checked against an independent record of what is held,
+    not against the lock counts it filters on."""
 
     inserted = Bundle("inserted")
-    paths = st.one_of(inserted, st.lists(st.integers(0, 2), max_size=5 * PS))   # replays end on leaves
+    salts = st.sampled_from([None, "a", "b"])
+    paths = st.one_of(inserted, st.tuples(salts, st.lists(st.integers(0, 2), max_size=5 * PS)))  # replays end on leaves
 
     def __init__(self):
         super().__init__()
@@ -98,18 +100,20 @@ class TreeMachine(RuleBasedStateMachine):
         self.device.release(device)
         self.host.release(host)
 
-    @rule(target=inserted, seq=st.lists(st.integers(0, 2), min_size=PS, max_size=5 * PS))
-    def insert(self, seq):
+    @rule(target=inserted, salt=salts, seq=st.lists(st.integers(0, 2), min_size=PS, max_size=5 * PS))
+    def insert(self, salt, seq):
         n = len(seq) // PS
         if n <= self.device.free:
             pages = self.device.alloc(n)
-            result = self.tree.insert(seq, pages, [str(seq[: (i + 1) * PS]) for i in range(n)])
+            result = self.tree.insert(seq, pages, [str(seq[: (i + 1) * PS]) for i in range(n)], salt)
             self.device.release(result.duplicate_pages)
-        return seq
+        return salt, seq
 
-    @rule(seq=paths, kind=st.sampled_from(["device", "host", "pin"]))
-    def match_and_lock(self, seq, kind):
-        match = self.tree.match_prefix(seq)
+    @rule(path=paths, kind=st.sampled_from(["device", "host", "pin"]))
+    def match_and_lock(self, path, kind):
+        salt, seq = path
+        match = self.tree.match_prefix(seq, salt)
+        assert all(n.salt == salt for n in match.device_nodes + match.host_nodes), "a match across tenants"
         if match.last_node is None or (kind == "device" and match.host_nodes):
             return
         self._lock(kind, match.last_node)
@@ -128,9 +132,9 @@ class TreeMachine(RuleBasedStateMachine):
                 self.tree.set_host(node, self.host.alloc(node.num_pages))
                 return
 
-    @rule(seq=paths)
-    def load(self, seq):
-        match = self.tree.match_prefix(seq)
+    @rule(path=paths)
+    def load(self, path):
+        match = self.tree.match_prefix(path[1], path[0])
         need = match.host_tokens // PS
         if match.host_nodes and need <= self.device.free:
             pages = self.device.alloc(need)
@@ -138,15 +142,17 @@ class TreeMachine(RuleBasedStateMachine):
                 self.tree.set_device(node, pages[: node.num_pages])
                 pages = pages[node.num_pages:]
 
-    @rule(target=inserted, seq=paths)
-    def graft(self, seq):
+    @rule(target=inserted, path=paths)
+    def graft(self, path):
+        salt, seq = path
         n = len(seq) // PS
-        match = self.tree.match_prefix(seq)
+        match = self.tree.match_prefix(seq, salt)
         first = (match.device_tokens + match.host_tokens) // PS
         if first < n <= first + self.host.free:
             pages = self.host.alloc(n - first)
-            self.host.release(self.tree.graft_host(seq, first, [str(seq[: (i + 1) * PS]) for i in range(n)], pages))
-        return seq
+            hashes = [str(seq[: (i + 1) * PS]) for i in range(n)]
+            self.host.release(self.tree.graft_host(seq, first, hashes, pages, salt))
+        return path
 
     @rule()
     def evict_device(self):
@@ -172,6 +178,14 @@ class TreeMachine(RuleBasedStateMachine):
         node = next(self.tree.lru_host_leaves(), None)
         if node is not None:
             self._remove(node)
+
+    @invariant()
+    def every_node_lives_under_its_tenants_root(self):
+        for node in self.tree.nodes.values():
+            root = node
+            while root.parent is not None:
+                root = root.parent
+            assert root is self.tree.tenant_root(node.salt) and root.id not in self.tree.nodes
 
     @invariant()
     def locks_never_negative(self):

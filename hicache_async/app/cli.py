@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--requests", type=_positive, default=48)
     sim.add_argument("--turns", type=_positive, default=4)
     sim.add_argument("--max-new", type=_positive, default=8)
+    sim.add_argument("--tenants", type=_positive, default=1,
+                     help="spread conversations over this many tenants (cache salts)")
     rep = sub.add_parser("replay", help="serve a Mooncake-format trace, every reused page verified")
     rep.add_argument("trace", metavar="TRACE", help="JSONL: timestamp, input_length, output_length, hash_ids")
     _add_run_flags(rep)
@@ -144,7 +146,7 @@ def _simulate(ns: argparse.Namespace) -> int:
     from ..sim.simulate import print_summary, run
 
     cache = _cache_config(ns)
-    spec = WorkloadSpec(requests=ns.requests, turns=ns.turns, max_new=ns.max_new, seed=ns.seed)
+    spec = WorkloadSpec(requests=ns.requests, turns=ns.turns, max_new=ns.max_new, seed=ns.seed, tenants=ns.tenants)
     model = ModelConfig(attention=ns.attention, seed=ns.seed)
     args = _run_args(ns)
     result = run(args, cache, spec, model)

@@ -7,19 +7,26 @@ pure function the replay engine writes. The reference run records through the sa
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from ..keys import page_hashes
 from ..layout import KVLayout
 from ..parallel.topology import RankCoords
 from ..request import Request
 
-# Truth for one local layer of some pages: (page hashes, local layer) -> [pages, planes,
-# page_size, heads, dim], shaped and placed like the device pool's pages. A page's chained
-# hash fixes its prefix and so its position.
-Expected = Callable[[list[str], int], torch.Tensor]
+
+class Truth(Protocol):
+    """What a request's cached pages must hold. It names pages its own way, never by the
+    cache's page keys: a check that shared them would pass whatever they get wrong."""
+
+    def page_ids(self, req: Request, pages: int) -> Sequence:
+        """Names of `req`'s first `pages` pages."""
+
+    def expected(self, page_ids: Sequence, layer: int) -> torch.Tensor:
+        """One local layer of those pages: [pages, planes, page_size, heads, dim], shaped and
+        placed like the device pool's pages."""
 
 
 class KVWitness:
@@ -33,20 +40,20 @@ class KVWitness:
 
 
 class KVCheck(KVWitness):
-    """Compares each cached page, layer by layer, with `expected`; counts and names mismatches.
+    """Compares each cached page, layer by layer, with the truth; counts and names mismatches.
 
     `exact=False` allows one float32 rounding (rtol 1e-6) for truths recorded from a run whose
     float64 math was batched differently; any injected fault is many orders above that.
     """
 
-    def __init__(self, expected: Expected, layout: KVLayout, coords: RankCoords = RankCoords(),
+    def __init__(self, truth: Truth, layout: KVLayout, coords: RankCoords = RankCoords(),
                  exact: bool = True) -> None:
-        self.expected, self.layout, self.coords, self.exact = expected, layout, coords, exact
+        self.truth, self.layout, self.coords, self.exact = truth, layout, coords, exact
         self.verified_pages = 0
         self.mismatches = 0
         self.first_mismatch: str | None = None
-        # request id -> (its cached pages' hashes, their device page ids, the pages found bad)
-        self._open: dict[int, tuple[list[str], torch.Tensor, set[int]]] = {}
+        # request id -> (its cached pages' names, their device page ids, the pages found bad)
+        self._open: dict[int, tuple[Sequence, torch.Tensor, set[int]]] = {}
 
     def before_read(self, req: Request, layer: int, kv_layer: torch.Tensor, origin: list[str]) -> None:
         ps = self.layout.page_size
@@ -54,10 +61,10 @@ class KVCheck(KVWitness):
         if not n:
             return
         if req.id not in self._open:
-            self._open[req.id] = (page_hashes(req.prompt[: n * ps], ps), torch.tensor(req.pages[:n]), set())
-        hashes, pages, bad = self._open[req.id]
+            self._open[req.id] = (self.truth.page_ids(req, n), torch.tensor(req.pages[:n]), set())
+        names, pages, bad = self._open[req.id]
         got = kv_layer[pages]
-        want = self.expected(hashes, layer).to(got.dtype)
+        want = self.truth.expected(names, layer).to(got.dtype)
         if not self._same(got, want):
             close = self._close(got, want).flatten(1).all(dim=1)
             for page in (~close).nonzero().flatten().tolist():

@@ -2,16 +2,15 @@
 
 A transformer at 10^4-token prompts and thousands of requests is too slow for two cores, and
 its KV cannot be predicted. This model does no math: its forward pass writes the KV a model
-would leave (`ReplayKV`, a pure function of each page's token prefix and coordinates) and
+would leave (`ReplayKV`, a pure function of each page's prefix and coordinates) and
 returns tokens that are a pure function of the prompt. So the cache moves real bytes through
 every tier, every reused page can be verified, and ranks agree without any collective: the
 plugin's per-step agreement alone keeps them in lockstep. TP splits the kv heads (above
 their number it replicates each, as GQA engines do), PP the layers; every CP rank holds the
 full KV of its layers and heads.
 
-A page's KV depends on its chained hash, which is known once the page is full, so it is
-written in the forward pass that fills it (prefill, or the decode step that completes it).
-Only full pages are ever cached, so nothing reads a page before it is written.
+A page's KV is written in the forward pass that fills it (prefill, or the decode step that
+completes it). Only full pages are ever cached, so nothing reads a page before it is written.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from ..layout import KVLayout
 from ..parallel.topology import RankCoords, check_topology, kv_head_range, split_range
 from ..request import Request
 from .model import SeqChunk
-from .replay_kv import ReplayKV, page_seed
+from .replay_kv import ReplayKV
 from .replay_trace import VOCAB
 from .replay_workload import ReplayWorkload
 from .scheduler import Scheduler
@@ -43,7 +42,7 @@ class ReplayModelSpec:
     layers: int = 4
     kv_heads: int = 2
     head_dim: int = 4
-    model_id: str = "replay-kv-v1"
+    model_id: str = "replay-kv-v2"    # v2: KV named by the trace, not the page hash
 
 
 @dataclass
@@ -94,13 +93,13 @@ class ReplayModel:
         """Write the KV of every page this batch fills, layer by layer after `layer_ready`,
         advance the virtual clock by the batch's cost, return each sequence's next token."""
         ps = self.page_size
-        seeds, pages = [], []
+        ids, pages = [], []
         for chunk in batch:
             seq = chunk.req.tag
             for page in range(chunk.start // ps, chunk.end // ps):
-                seeds.append(page_seed(seq.digest(page, chunk.req.output)))
+                ids.append(seq.page_id(page))
                 pages.append(chunk.pages[page])
-        values = self.kv.pages(seeds) if seeds else None
+        values = self.kv.pages(ids) if ids else None
         index = torch.from_numpy(np.array(pages, dtype=np.int64))
         for layer in range(len(self.layers)):
             if layer_ready is not None:

@@ -1,12 +1,14 @@
 """Mooncake-format traces (FAST'25 release): reading them, and the prompts a replay builds.
 
 One JSON object a line: `timestamp` (ms from the start), `input_length`, `output_length` and
-`hash_ids`, one id per 512-token block of the prompt (the last block may be partial). Equal
-ids stand for equal blocks, so each block's tokens are a pure function of (seed, id): shared
-prefixes in the trace stay shared token prefixes here, and so shared cache pages.
+`hash_ids`, one id per 512-token block of the prompt (the last block may be partial), and an
+optional `cache_salt` naming the request's tenant. Equal ids stand for equal blocks, so each
+block's tokens are a pure function of (seed, id): shared prefixes in the trace stay shared
+token prefixes here, and so shared cache pages.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    cache_salt: str | None = None   # the tenant: no cached page is shared across salts
 
 
 def read_trace(path: str, page_size: int, limit: int | None = None) -> list[TraceRequest]:
@@ -78,7 +81,10 @@ def _parse(path: str, lineno: int, text: str) -> TraceRequest:
     if len(ids) != blocks:
         raise UsageError(f"{where}: {len(ids)} hash_ids do not cover input_length {n_in} "
                          f"(expected {blocks}, one per {BLOCK_TOKENS}-token block)")
-    return TraceRequest(lineno, float(ts), n_in, n_out, tuple(ids))
+    salt = obj.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise UsageError(f"{where}: cache_salt must be a non-empty string, got {salt!r}")
+    return TraceRequest(lineno, float(ts), n_in, n_out, tuple(ids), salt)
 
 
 def _integer(x) -> bool:
@@ -97,3 +103,34 @@ def prompt_tokens(req: TraceRequest, seed: int = 0) -> np.ndarray:
     x = ids[:, None] * np.uint64(BLOCK_TOKENS) + np.arange(BLOCK_TOKENS, dtype=np.uint64)
     tokens = splitmix64(x ^ key) % np.uint64(VOCAB)
     return tokens.reshape(-1)[: req.input_length].astype(np.uint32)
+
+
+def block_prefixes(req: TraceRequest, seed: int = 0) -> np.ndarray:
+    """A 64-bit name for each block's whole prefix: BLAKE2b chained over the tenant, the seed
+    and the ids up to the block. Equal ids at the same place in a Mooncake trace are a shared
+    prefix; chaining also tells apart equal ids after different prefixes, as tokens would.
+    Nothing of the cache's own page hashing, so the replay's truths can judge it."""
+    tenant = b"\0" if req.cache_salt is None else b"\1" + req.cache_salt.encode()
+    link = hashlib.blake2b(tenant + seed.to_bytes(8, "little"), digest_size=8, person=b"replay-blocks").digest()
+    out = np.empty(len(req.hash_ids), dtype=np.uint64)
+    for i, block in enumerate(req.hash_ids):
+        link = hashlib.blake2b(link + block.to_bytes(8, "little"), digest_size=8).digest()
+        out[i] = int.from_bytes(link, "little")
+    return out
+
+
+def prompt_page_ids(req: TraceRequest, page_size: int, seed: int = 0,
+                    prefixes: np.ndarray | None = None) -> np.ndarray:
+    """A 64-bit name for each full page of the prompt, from (its block's prefix, its offset in
+    the block): what the replay's KV and its oracle know a prompt page by."""
+    prefixes = block_prefixes(req, seed) if prefixes is None else prefixes
+    starts = np.arange(req.input_length // page_size, dtype=np.uint64) * np.uint64(page_size)
+    blocks = (starts // np.uint64(BLOCK_TOKENS)).astype(np.intp)
+    return splitmix64(prefixes[blocks] ^ splitmix64(starts % np.uint64(BLOCK_TOKENS)))
+
+
+def output_page_id(prefixes: np.ndarray, input_length: int, page: int) -> int:
+    """The name of page `page` of a request whose prompt ends inside or before it: its outputs
+    are a function of the prompt, so (the prompt's last prefix, its length, the page) fix it."""
+    length, place = splitmix64(np.array([[input_length | 1 << 63], [page]], dtype=np.uint64))
+    return int(splitmix64(prefixes[-1:] ^ length ^ splitmix64(place))[0])   # arrays wrap without warnings

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from ..keys import page_digests
 from ..request import Request
 from .hardware import HardwareModel
-from .replay_trace import TraceRequest, prompt_tokens
+from .replay_trace import TraceRequest, block_prefixes, output_page_id, prompt_page_ids, prompt_tokens
 from .virtual_clock import CostModel, VirtualClock
 
 
@@ -51,29 +50,22 @@ class ReplaySpec:
 
 
 class ReplaySeq:
-    """One request's replay state: its prompt, the chained digest of each full page of its
-    tokens (grown as decoding fills pages) and the seed of its generated tokens."""
+    """One request's replay state: its prompt, the trace's name for each of its pages (the
+    replay KV's seed, see `replay_kv`) and the seed of its generated tokens."""
 
-    def __init__(self, req: TraceRequest, prompt: np.ndarray, page_size: int) -> None:
+    def __init__(self, req: TraceRequest, prompt: np.ndarray, page_size: int, seed: int = 0) -> None:
         self.line = req.line
         self.prompt = prompt
-        self.page_size = page_size
-        self.digests = page_digests(prompt, page_size)
+        self._prefixes = block_prefixes(req, seed)
+        self.prompt_ids = prompt_page_ids(req, page_size, seed, self._prefixes)
         self.out_seed = int.from_bytes(hashlib.sha256(prompt.tobytes()).digest()[:8], "little")
 
-    def digest(self, page: int, output: list[int]) -> bytes:
-        """Digest of full page `page` of prompt + `output`, the same chain `keys.page_hashes`
-        gives the cache for the request's tokens."""
-        ps, n = self.page_size, len(self.prompt)
-        while len(self.digests) <= page:
-            lo = len(self.digests) * ps
-            tokens = np.concatenate([self.prompt[lo:lo + ps],
-                                     np.asarray(output[max(0, lo - n):lo + ps - n], dtype=np.uint32)])
-            if len(tokens) < ps:
-                raise ValueError(f"page {page} of request {self.line} is not full yet")
-            prior = self.digests[-1] if self.digests else b""
-            self.digests += page_digests(tokens, ps, prior)
-        return self.digests[page]
+    def page_id(self, page: int) -> int:
+        """The name of page `page`: a prompt page's from the trace, a page holding outputs
+        from the prompt it follows and its place."""
+        if page < len(self.prompt_ids):
+            return int(self.prompt_ids[page])
+        return output_page_id(self._prefixes, len(self.prompt), page)
 
 
 class ReplayWorkload:
@@ -98,7 +90,7 @@ class ReplayWorkload:
         """The engine's request for a trace line, tagged with what the replay engine needs."""
         prompt = prompt_tokens(req, self.spec.seed)
         return Request(req.line, prompt.tolist(), self.spec.max_new(req),
-                       tag=ReplaySeq(req, prompt, self.page_size))
+                       tag=ReplaySeq(req, prompt, self.page_size, self.spec.seed), cache_salt=req.cache_salt)
 
     @property
     def next_arrival_us(self) -> float:

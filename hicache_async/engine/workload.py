@@ -2,6 +2,8 @@
 
 Turn t+1 of a conversation arrives when turn t finishes, so its prompt holds the previous
 outputs: reuse across turns is the point, and wrong cached KV shows up as wrong tokens.
+With `tenants` > 1, conversation c belongs to tenant c % tenants (its `cache_salt`), so
+conversations of different tenants share system prompts the cache must not share.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ class WorkloadSpec:
     concurrency: int = 4
     vocab: int = 256
     seed: int = 0
+    tenants: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("requests", "turns", "system_prompts", "max_new", "concurrency"):
+        for name in ("requests", "turns", "system_prompts", "max_new", "concurrency", "tenants"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
@@ -35,6 +38,10 @@ class WorkloadSpec:
 
     def max_prompt(self) -> int:
         return self.system_len + self.turns * (self.user_len[1] + self.max_new)
+
+    def salt(self, conversation: int) -> str | None:
+        """The conversation's tenant; one tenant needs no salt."""
+        return f"tenant-{conversation % self.tenants}" if self.tenants > 1 else None
 
 
 class Workload:
@@ -66,7 +73,8 @@ class Workload:
         out = []
         for conv, turn in self._ready:
             self._history[conv] += self._users[conv][turn]
-            out.append(Request(self._issued, list(self._history[conv]), self.spec.max_new, tag=(conv, turn)))
+            out.append(Request(self._issued, list(self._history[conv]), self.spec.max_new, tag=(conv, turn),
+                               cache_salt=self.spec.salt(conv)))
             self._issued += 1
         self._ready = []
         return out

@@ -57,7 +57,7 @@ class Admissions:
             raise PoolExhausted(f"request {req.id} needs {need} device pages but --device-pages is "
                                 f"{self.config.device_pages}")
         tokens = req.prompt[:-1]       # the last prompt token is always computed, for its logits
-        match = self.cache.match(tokens)
+        match = self.cache.match(tokens, req.cache_salt)
         if self.l3 is not None and not state.l3_considered:
             state.l3_considered = True
             if self._start_prefetch(req, state, tokens, match):
@@ -77,19 +77,19 @@ class Admissions:
         self._count("tokens_computed", len(req.prompt) - req.cached)
         self.stats["prompt_tokens"] += len(req.prompt)
         if req.cached < len(tokens) // ps * ps:
-            self.misses[str(req.id)] = self._why_missed(state, tokens, req.cached // ps).value
+            self.misses[str(req.id)] = self._why_missed(req, state, tokens, req.cached // ps).value
         return True
 
-    def _hashes(self, state: RequestState, tokens: list[int]) -> list[str]:
+    def _hashes(self, req: Request, state: RequestState, tokens: list[int]) -> list[str]:
         if state.hashes is None:
             ps = self.config.page_size
-            state.hashes = page_hashes(tokens[: len(tokens) // ps * ps], ps)
+            state.hashes = page_hashes(tokens[: len(tokens) // ps * ps], ps, salt=req.cache_salt)
         return state.hashes
 
-    def _why_missed(self, state: RequestState, tokens: list[int], page: int) -> Miss:
+    def _why_missed(self, req: Request, state: RequestState, tokens: list[int], page: int) -> Miss:
         """Why full page `page` of the prompt, the first one not served, was not."""
         looked = state.look.why_missed(page, state.committed) if state.look is not None else None
-        return looked or self.cache.history.why_absent(self._hashes(state, tokens)[page], self.l3 is not None)
+        return looked or self.cache.history.why_absent(self._hashes(req, state, tokens)[page], self.l3 is not None)
 
     def _start_prefetch(self, req: Request, state: RequestState, tokens: list[int], match: Match) -> bool:
         """Fetch the prompt's full pages that L1 and L2 miss from L3, if that beats recomputing
@@ -99,10 +99,10 @@ class Admissions:
         cached_pages = (match.device_tokens + match.host_tokens) // ps
         if full <= cached_pages:
             return False
-        hashes = self._hashes(state, tokens)
+        hashes = self._hashes(req, state, tokens)
         end, beyond = full, None
-        if self.cache.ledger.clock.modelled:    # ask only for what L3 holds in modelled time, as every rank knows it
-            end = cached_pages + self.cache.history.stored_run(hashes, cached_pages)
+        if self.cache.ledger.clock.modelled:    # only what L3 holds in modelled time, as every rank knows
+            end = cached_pages + self.cache.history.stored_run(hashes, cached_pages, self.l3.store.stored_run)
             beyond = self.cache.history.why_absent(hashes[end], l3=True) if end < full else None
         missing = end - cached_pages
         state.look = L3Look(cached_pages, end, beyond, None)
@@ -112,7 +112,8 @@ class Admissions:
         if not state.decision.fetch:
             state.look = L3Look(cached_pages, end, beyond, Miss.DECLINED)
             return False
-        op = self.l3.prefetch(req.id, match.last_node, tokens[: end * ps], cached_pages, hashes[:end])
+        op = self.l3.prefetch(req.id, match.last_node, tokens[: end * ps], cached_pages, hashes[:end],
+                              salt=req.cache_salt)
         if op is None:
             state.look = L3Look(cached_pages, end, beyond, Miss.NO_HOST_ROOM)
             return False
@@ -152,7 +153,8 @@ class Admissions:
         state = self.requests.pop(req.id)
         ps = self.config.page_size
         tokens = req.kv_tokens[: req.kv_len // ps * ps]
-        self.cache.finish(tokens, req.pages, page_hashes(tokens, ps), state.lock)
+        self.cache.finish(tokens, req.pages, page_hashes(tokens, ps, salt=req.cache_salt), state.lock,
+                          req.cache_salt)
         req.pages = []
 
     def _count(self, stat: str, n: int) -> None:

@@ -52,8 +52,9 @@ class TieredCache:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def match(self, tokens: list[int]) -> Match:
-        match = self.tree.match_prefix(tokens)
+    def match(self, tokens: list[int], salt: str | None = None) -> Match:
+        """The cached prefix of `tokens` in tenant `salt`'s tree."""
+        match = self.tree.match_prefix(tokens, salt)
         if match.host_nodes and match.host_tokens < self.config.load_back_threshold * self.config.page_size:
             match.host_nodes = []
         if self.config.write_policy == "write_through_selective":
@@ -80,16 +81,17 @@ class TieredCache:
                 n.fetched = False
         return Admitted(hits + fresh, lock, load, origin)
 
-    def finish(self, tokens: list[int], pages: list[int], hashes: list[str], lock: Node | None) -> None:
-        """Cache a finished request's full pages (`tokens` spans exactly them), free the rest of
-        its `pages`, and unlock the prefix its admission locked."""
+    def finish(self, tokens: list[int], pages: list[int], hashes: list[str], lock: Node | None,
+               salt: str | None = None) -> None:
+        """Cache a finished request's full pages (`tokens` spans exactly them) in its tenant's
+        tree, free the rest of its `pages`, and unlock the prefix its admission locked."""
         full = len(tokens) // self.config.page_size
-        self.free_device(self.insert(tokens, pages[:full], hashes) + pages[full:])
+        self.free_device(self.insert(tokens, pages[:full], hashes, salt) + pages[full:])
         self.tree.lock_device(lock, -1)
 
-    def insert(self, tokens: list[int], pages: list[int], hashes: list[str]) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], hashes: list[str], salt: str | None = None) -> list[int]:
         """Cache a sequence's full pages; returns the caller's pages to free."""
-        inserted = self.tree.insert(tokens, pages, hashes)
+        inserted = self.tree.insert(tokens, pages, hashes, salt)
         self.history.inserted(hashes[: len(tokens) // self.config.page_size])
         self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
         if self.config.write_policy == "write_through":

@@ -43,6 +43,7 @@ class StorageOp(CacheOp):
     request_id: int = -1
     tokens: tuple[int, ...] = ()
     first_page: int = 0
+    salt: str | None = None        # a prefetch's tenant: the tree its pages graft into
     wanted: bool = False           # the request reached the head of admission (best_effort)
     cancel: threading.Event = field(default_factory=threading.Event)
     result: Any = None

@@ -9,6 +9,7 @@ its hash) saying whether a backup of it has retired. `Miss` names the reasons.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -41,16 +42,37 @@ class PageHistory:
         for h in hashes:
             self._backed_up.setdefault(_key(h), False)
 
-    def backed_up(self, hashes: list[str], ok: list[bool]) -> None:
+    def backed_up(self, hashes: list[str], ok: list[bool]) -> int:
+        """Note the pages now in L3; returns how many of them this run never cached (found in
+        L3 from before it)."""
+        earlier = 0
         for h, stored in zip(hashes, ok):
             if stored:
-                self._backed_up[_key(h)] = True
+                key = _key(h)
+                earlier += key not in self._backed_up
+                self._backed_up[key] = True
+        return earlier
 
-    def stored_run(self, hashes: list[str], first: int) -> int:
-        """How many pages from `first` on are in L3 by retired backups, in a leading run."""
+    def stored_run(self, hashes: list[str], first: int, probe: Callable[[list[str]], int]) -> int:
+        """How many pages from `first` on are in L3, in a leading run, as every rank knows it: a
+        page this run cached is there once a backup of it retired; one it never cached can only
+        be there from before the run, which no backup of this run can change, so `probe`
+        (leading pages present in storage) answers for those."""
         n = first
-        while n < len(hashes) and self._backed_up.get(_key(hashes[n]), False):
-            n += 1
+        while n < len(hashes):
+            backed_up = self._backed_up.get(_key(hashes[n]))
+            if backed_up is None:
+                unknown = n + 1
+                while unknown < len(hashes) and _key(hashes[unknown]) not in self._backed_up:
+                    unknown += 1
+                found = probe(hashes[n:unknown])
+                n += found
+                if n < unknown:
+                    break
+            elif backed_up:
+                n += 1
+            else:
+                break
         return n - first
 
     def why_absent(self, page_hash: str, l3: bool) -> Miss:

@@ -155,6 +155,7 @@ class HiCachePlugin(KVPlugin):
                 "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "prefetches_terminated": self.l3.terminated if self.l3 else 0,
+                "l3_pages_from_before": self.l3.earlier_pages if self.l3 else 0,
                 "pp_sync": self.agreement.counts(), "miss_reasons": self.admissions.misses,
                 "step_us": self.step_us}
 

@@ -5,7 +5,9 @@ Invariants the plugin relies on (and the property tests check):
 - a node is resident somewhere (device, host or both) or it is not in the tree;
 - a locked node is never evicted from the tier its lock protects;
 - every LRU decision uses a logical clock and node ids, never wall time, so identical
-  call sequences on different ranks give identical trees.
+  call sequences on different ranks give identical trees;
+- each tenant (`cache_salt`) has its own root, so no token prefix matches across tenants;
+  a root has no parent, holds no pages and is never evicted.
 
 Where each node's pages live, its locks and the eviction candidates are `Residency`'s
 (residency.py), which the tree builds on.
@@ -22,7 +24,7 @@ class Node:
     methods, which keep the tree's LRU leaf sets in step with them."""
 
     __slots__ = ("id", "parent", "children", "tokens", "hashes", "device", "host",
-                 "device_lock", "host_lock", "last_access", "hits", "fetched", "device_children")
+                 "device_lock", "host_lock", "last_access", "hits", "fetched", "device_children", "salt")
 
     def __init__(self, node_id: int, parent: "Node | None", tokens: tuple[int, ...],
                  hashes: list[str], device: list[int] | None, host: list[int] | None) -> None:
@@ -39,6 +41,7 @@ class Node:
         self.hits = 0
         self.fetched = False    # came from L3 and not yet used: its first hit counts as L3
         self.device_children = 0   # children with a device copy: a device leaf has none
+        self.salt = parent.salt if parent is not None else None   # the tenant whose tree holds it
 
     @property
     def num_pages(self) -> int:
@@ -89,16 +92,28 @@ class RadixTree(Residency):
         super().__init__()
         self.page_size = page_size
         self.root = Node(0, None, (), [], [], [])
+        self._tenants: dict[str, Node] = {}     # cache_salt -> its root; no salt: `root`
         self._next_id = 1
         self.nodes: dict[int, Node] = {}
 
+    def tenant_root(self, salt: str | None) -> Node:
+        """The root of `salt`'s tree, made on first use; one empty node a tenant, kept."""
+        if salt is None:
+            return self.root
+        root = self._tenants.get(salt)
+        if root is None:
+            root = self._tenants[salt] = Node(self._take_id(), None, (), [], [], [])
+            root.salt = salt
+        return root
+
     # -- lookup and insertion --------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> Match:
-        """Longest cached prefix of `tokens` in full pages; touches and counts the path."""
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> Match:
+        """Longest cached prefix of `tokens` in full pages in `salt`'s tree; touches and counts
+        the path."""
         match = Match(page_size=self.page_size)
         self.clock += 1
-        for node in self._walk(tokens):
+        for node in self._walk(tokens, self.tenant_root(salt)):
             self._touch(node)
             node.hits += 1
             if node.device is not None and not match.host_nodes:
@@ -107,8 +122,9 @@ class RadixTree(Residency):
                 match.host_nodes.append(node)
         return match
 
-    def insert(self, tokens: list[int], device_pages: list[int], hashes: list[str]) -> Inserted:
-        """Insert the full pages of `tokens` whose KV sits in `device_pages`.
+    def insert(self, tokens: list[int], device_pages: list[int], hashes: list[str],
+               salt: str | None = None) -> Inserted:
+        """Insert the full pages of `tokens` whose KV sits in `device_pages` into `salt`'s tree.
 
         Pages the tree already holds on the device come back as duplicates; host-only
         nodes on the path adopt the caller's device pages instead of copying them back.
@@ -118,8 +134,9 @@ class RadixTree(Residency):
         assert len(device_pages) >= n_pages and len(hashes) >= n_pages
         self.clock += 1
         duplicates: list[int] = []
-        node, done = self.root, 0
-        for node in self._walk(tokens[: n_pages * ps]):
+        node = root = self.tenant_root(salt)
+        done = 0
+        for node in self._walk(tokens[: n_pages * ps], root):
             mine = device_pages[done: done + node.num_pages]
             self._touch(node)
             if node.device is None:
@@ -136,8 +153,9 @@ class RadixTree(Residency):
         return Inserted(node, duplicates, new_nodes)
 
     def graft_host(self, tokens: list[int], first_page: int, hashes: list[str],
-                   host_pages: list[int]) -> list[int]:
-        """Insert pages fetched from storage as a host-only node below the cached prefix.
+                   host_pages: list[int], salt: str | None = None) -> list[int]:
+        """Insert pages fetched from storage as a host-only node below the cached prefix in
+        `salt`'s tree.
 
         `tokens` is the whole path; pages before `first_page` are already in the tree.
         Pages that someone cached meanwhile are not grafted: they come back to be freed.
@@ -145,8 +163,9 @@ class RadixTree(Residency):
         ps = self.page_size
         n_pages = first_page + len(host_pages)
         self.clock += 1
-        node, done = self.root, 0
-        for node in self._walk(tokens[: n_pages * ps]):
+        node = root = self.tenant_root(salt)
+        done = 0
+        for node in self._walk(tokens[: n_pages * ps], root):
             done += node.num_pages
         assert done >= first_page, "the prefix a prefetch grafts onto was evicted"
         if done < n_pages:
@@ -178,10 +197,11 @@ class RadixTree(Residency):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _walk(self, tokens: list[int]):
-        """Yield the nodes matching `tokens` page by page, splitting the last partial node."""
+    def _walk(self, tokens: list[int], node: Node):
+        """Yield the nodes matching `tokens` page by page below root `node`, splitting the last
+        partial node."""
         ps = self.page_size
-        node, i = self.root, 0
+        i = 0
         while i + ps <= len(tokens):
             child = node.children.get(tuple(tokens[i: i + ps]))
             if child is None:

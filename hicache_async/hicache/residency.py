@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 
 
 class Residency:
-    """The residency half of `RadixTree`, which builds on it: `root` is the tree's."""
-
-    root: Node
+    """The residency half of `RadixTree`, which builds on it. A root (the tree's, or a
+    tenant's) is a node without a parent."""
 
     def __init__(self) -> None:
         self.clock = 0          # logical: every LRU decision is the same on every rank
@@ -55,8 +54,9 @@ class Residency:
     # -- locks -----------------------------------------------------------------------------
 
     def path_to(self, node: Node | None) -> list[Node]:
+        """`node` and its ancestors, root first, without the root (the tree's or a tenant's)."""
         out = []
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             out.append(node)
             node = node.parent
         return out[::-1]
@@ -123,7 +123,7 @@ class Residency:
     def _refile(self, node: Node) -> None:
         """Put `node` in or out of the leaf sets after its residency, locks, children or
         last access changed; the definitions here are the ones eviction relies on."""
-        if node is self.root:
+        if node.parent is None:     # a root: never evicted
             return
         self._device_leaves.update(node, node.device is not None and node.device_lock == 0
                                    and node.device_children == 0)

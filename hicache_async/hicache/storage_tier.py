@@ -45,6 +45,7 @@ class StorageTier:
                          for kind in (TransferKind.BACKUP, TransferKind.PREFETCH)}
         self.errors = 0
         self.terminated = 0     # prefetches the policy ended before they finished
+        self.earlier_pages = 0  # pages fetched that this run never cached: L3 held them from before it
 
     # -- issue ------------------------------------------------------------------------------
 
@@ -59,8 +60,9 @@ class StorageTier:
             self._start(op, self.store.backup, op.hashes, op.host_pages)
 
     def prefetch(self, request_id: int, parent: Node | None, tokens: list[int], first_page: int,
-                 hashes: list[str]) -> StorageOp | None:
-        """Fetch pages `first_page..` of `tokens` into fresh host pages; None if no room."""
+                 hashes: list[str], salt: str | None = None) -> StorageOp | None:
+        """Fetch pages `first_page..` of `tokens` (tenant `salt`'s) into fresh host pages; None
+        if no room."""
         n = len(hashes) - first_page
         pages = self.cache.alloc_host(n, keep=parent)   # room, but not by evicting the graft point
         if pages is None:
@@ -69,7 +71,7 @@ class StorageTier:
         self.ledger.note("prefetch", request_id, first_page, n)
         op = StorageOp(TransferKind.PREFETCH, parent, [HostEvent()], n, n * self.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
-                       first_page=first_page, deadline=self.ledger.clock.now() + self._patience(n))
+                       first_page=first_page, salt=salt, deadline=self.ledger.clock.now() + self._patience(n))
         self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel), hashes[first_page:],
                     pages, [request_id])
         return op
@@ -152,7 +154,10 @@ class StorageTier:
         self.ledger.note("prefetch-done", op.request_id, op.committed)
         unused = op.host_pages[op.committed:]
         if op.committed:
-            unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed])
+            unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed],
+                                           op.salt)
+            fetched = op.hashes[op.first_page: op.first_page + op.committed]
+            self.earlier_pages += self.cache.history.backed_up(fetched, [True] * len(fetched))
         self.host.alloc.release(unused)
         self._count_errors(op)
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..daemon_threads import DaemonThreads
-from ..errors import HiCacheError, SyncTimeout
-from ..transfer.events import HostEvent, first_completion
+from ..errors import HiCacheError
+from ..transfer.events import HostEvent
 from .topology import RankCoords
 
 SPIN_S = 300e-6
@@ -38,9 +38,7 @@ async def wait_work(work: dist.Work, *, what: str, coords: RankCoords,
     waited = _WAITERS.submit(work.wait)
     finished = HostEvent()
     waited.add_done_callback(lambda _: finished.set())
-    await first_completion([finished], max(timeout_s - (time.perf_counter() - started), 0.0))
-    if not waited.done():
-        raise SyncTimeout(f"{coords.label()}: {what} did not complete within {timeout_s:g} s")
+    await finished.wait(timeout_s, f"{coords.label()}: {what}")   # the spin above is negligible
     error = waited.exception()
     if error is not None:
         raise HiCacheError(f"{coords.label()}: {what} failed: {_reason(error)}") from error

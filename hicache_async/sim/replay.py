@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ..parallel.topology import check_topology
 from ..request import pages_needed
 from . import torchrun
-from .loss_account import check_account, lost_tokens
+from .loss_account import EARLIER, check_account, lost_tokens
 from .oracle import unbounded_oracle
 from .reusable import reusable_tokens
 from .simulate import TOKEN_FIELDS, RunArgs, launch_ranks, p50_p99, rank_figures, storage_spec
@@ -68,7 +68,8 @@ def run(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, model: ReplayModelS
     })
     out["admission_us_p50"], out["admission_us_p99"] = p50_p99([us for r in reports for us in r["admission_us"]])
     out.update(ttft_beside(trace, spec, cache, reports[0], reusable, out["prompt_tokens"]))
-    out["lost_tokens"] = lost_tokens(trace, reusable, reports[0]["cached_tokens"], reports[0]["miss_reasons"])
+    out["lost_tokens"] = lost_tokens(trace, reusable, reports[0]["cached_tokens"], reports[0]["miss_reasons"],
+                                     reports[0]["l3_pages_from_before"] * cache.page_size)
     check_account(out["lost_tokens"], oracle.tokens, hits)
     return out
 
@@ -145,9 +146,12 @@ def print_planner(result: dict, file) -> None:
     elif captured is not None:
         print(f"  this configuration's TTFT p90 is worse than with no cache, where the ideal cache would cut it "
               f"by {result['baseline_ttft_ms_p90'] - result['oracle_ttft_ms_p90']:,.1f} ms", file=file)
-    lost = result["lost_tokens"]
+    lost = {reason: tokens for reason, tokens in result["lost_tokens"].items() if tokens > 0}
     if lost:
         total = sum(lost.values())
         print(f"  reusable tokens computed anyway: {total:,}: " + ", ".join(
             f"{reason.replace('_', ' ')} {tokens:,} ({tokens / total:.0%})" for reason, tokens in lost.items()),
             file=file)
+    if result["lost_tokens"].get(EARLIER):
+        print(f"  beyond the oracle: {-result['lost_tokens'][EARLIER]:,} tokens from pages L3 held before the run",
+              file=file)

@@ -55,7 +55,7 @@ async def _replay(ctx) -> dict:
     timer = ForwardTimer(clock, spec.costs, trace, loads=transfers.take_loads_us, layers=spec.hardware.preset.layers)
     model = ReplayModel(ReplayModelSpec(**ctx.payload["model"]), ps, timer, ctx.coords, ctx.groups)
     layout = model.kv_layout(ps)
-    check = KVCheck(model.kv.expected, layout, ctx.coords, exact=True)
+    check = KVCheck(model.kv, layout, ctx.coords, exact=True)
     workload = ReplayWorkload(trace, spec, ps, clock)
     async with hicache_plugin(ctx, cache_cfg) as plugin:
         timed = TimedAdmission(plugin)

@@ -62,7 +62,9 @@ def run(args: RunArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfi
         recorder.save(payload["kv_reference"])
         reports, run_id, cached_s = launch_ranks(args, "hicache_async.sim.rank_main:run_rank", payload,
                                                  spec.requests, "simulate", scratch=kv_dir)
-    return summarize(args, model.attention, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
+    result = summarize(args, model.attention, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
+    result["tenants"] = spec.tenants
+    return result
 
 
 def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str,
@@ -162,7 +164,8 @@ def print_summary(result: dict, file=None) -> None:
     file = file or sys.stdout
     tiers = result["tiers"]
     print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
-          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}", file=file)
+          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}, "
+          f"{result['tenants']} tenant{'s' if result['tenants'] > 1 else ''}", file=file)
     print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
         f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
     print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}, corrupt objects "

@@ -12,7 +12,7 @@ import time
 import anyio
 import torch
 
-from ..errors import SyncTimeout
+from ..errors import bounded
 
 _SPIN_S = 2e-4      # poll with bare yields this long before backing off
 _MAX_SLEEP_S = 1e-3
@@ -33,11 +33,8 @@ class CompletionEvent:
         """Await completion without blocking the loop; raise SyncTimeout naming `what`."""
         if self.query():
             return
-        try:
-            with anyio.fail_after(timeout_s):
-                await self._poll()
-        except TimeoutError:
-            raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
+        with bounded(timeout_s, what):
+            await self._poll()
 
     async def _poll(self) -> None:
         """Bare yields at first, then sleeps that double up to a millisecond."""
@@ -102,10 +99,8 @@ class HostEvent(CompletionEvent):
         if not self.subscribe(woken):
             return
         try:
-            with anyio.fail_after(timeout_s):
+            with bounded(timeout_s, what):
                 await woken.wait()
-        except TimeoutError:
-            raise SyncTimeout(f"{what}: not complete after {timeout_s:g} s") from None
         finally:
             self.unsubscribe(woken)
 

@@ -5,7 +5,9 @@
 - `noise-load`: an L2 -> L1 load adds 1e-3 relative noise to the pages it delivers;
 - `corrupt-stored`: a backup stores wrong bytes under a valid checksum (a writer bug, which
   only the KV check can see);
-- `copy-error`: the first L1 -> L2 write copy raises.
+- `copy-error`: the first L1 -> L2 write copy raises;
+- `unchained-hash`: page hashes drop their chain (`keys.page_digests`), so equal pages after
+  different prefixes share a storage key.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 from ..errors import UsageError
 
 ENV = "HICACHE_ASYNC_FAULT"
-FAULTS = ("swap-load-pages", "noise-load", "corrupt-stored", "copy-error")
+FAULTS = ("swap-load-pages", "noise-load", "corrupt-stored", "copy-error", "unchained-hash")
 
 
 def injected() -> str | None:

@@ -17,7 +17,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     n = 1 if quick else 4
     return {
         "on_step_idle_us": lambda: [core.on_step_idle(2_000 * n)],
-        "l1_l2_copy_gbps": lambda: [core.l1_l2_copy(pages=16, reps=2 * n, rounds=3 + n)],
+        "l1_l2_copy_gbps": lambda: core.l1_l2_copy(pages=16, reps=n, rounds=20 * n),
         "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
         "admission_scale": lambda: [admission.admission_scale(admissions=200 * n, rounds=3 if quick else 5)],
         "storage": lambda: storage_figures(quick=quick),

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from ...api import EngineContext
 from ...config import CacheConfig
+from ...hicache.ledger import StepMessage
 from ...hicache.plugin import HiCachePlugin
 from ...layout import KVLayout
-from ...hicache.ledger import StepMessage
 from ...parallel.pp_sync import SYNC_TAG, PipelineAgreement
 from ...sim.launcher import launch
 from ...transfer.pool import DevicePool
