@@ -32,3 +32,8 @@ class OpClock:
     def next_due(self) -> float:
         """When (in `now`'s seconds) the next issued op falls due; inf when unknown."""
         return float("inf")
+
+    def transfer_s(self, kind: Any, pages: int) -> float | None:
+        """Seconds a transfer of `pages` pages takes on every rank, as this clock will time it;
+        None when only measuring can tell (wall time)."""
+        return None

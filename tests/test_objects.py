@@ -5,15 +5,7 @@ from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.transfer.objects import (
-    HEADER_BYTES,
-    CorruptObject,
-    checksum,
-    encode_header,
-    expected_prefix,
-    intact,
-    verify,
-)
+from hicache_async.transfer.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, expected_prefix, intact, verify
 from hicache_async.transfer.page_store import PageStore
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))

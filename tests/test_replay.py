@@ -136,4 +136,4 @@ def test_a_host_sweep_writes_its_table_and_plot(tmp_path):
     assert [r["host-pages"] for r in rows] == ["32", "128"]
     assert all(float(r["hit_ratio"]) <= float(r["oracle_ratio"]) for r in rows)
     assert (tmp_path / "sweep.png").stat().st_size > 1000
-    assert "capacity sweep over host-pages" in done.stdout
+    assert "sweep over host-pages" in done.stdout

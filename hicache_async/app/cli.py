@@ -8,8 +8,8 @@ import sys
 
 from .. import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
-from ..engine.replay.clock import CostModel
 from ..errors import HiCacheError, UsageError
+from .hardware_flags import add_hardware_flags, hardware_model
 from .storage_flags import add_storage_flags, storage_options
 
 
@@ -62,9 +62,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "when fetching is expected to be cheaper than recomputing)")
     p.add_argument("--prefill-us-per-token", type=_non_negative_float, metavar="US",
                    help="the engine's prefill cost per prompt token: what an L3 prefetch must beat "
-                        "(replay: also the virtual clock's cost; default simulate 50, replay 20)")
-    p.add_argument("--l3-gbps", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
-                   default=CacheConfig.l3_gbps, metavar="GB/S", help="L3 throughput assumed until prefetches measure it")
+                        "(replay: also the virtual clock's cost; default simulate 50, replay the model's)")
     p.add_argument("--key-scheme", choices=KEY_SCHEMES, default="rank-suffix")
     p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
@@ -83,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(sim)
     sim.set_defaults(device_pages=48, host_pages=192, page_size=16,
                      prefill_us_per_token=CacheConfig.prefill_us_per_token)
+    sim.add_argument("--l3-gbps", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
+                     default=CacheConfig.l3_gbps, metavar="GB/S",
+                     help="L3 throughput assumed until prefetches measure it")
     sim.add_argument("--attention", choices=("mha", "mla"), default="mha")
     sim.add_argument("--requests", type=_positive, default=48)
     sim.add_argument("--turns", type=_positive, default=4)
@@ -92,17 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="serve a Mooncake-format trace, every reused page verified")
     rep.add_argument("trace", metavar="TRACE", help="JSONL: timestamp, input_length, output_length, hash_ids")
     _add_run_flags(rep)
-    rep.set_defaults(device_pages=4096, host_pages=16384, page_size=64,
-                     prefill_us_per_token=CostModel.prefill_us_per_token)
+    rep.set_defaults(device_pages=4096, host_pages=16384, page_size=64, l3_gbps=CacheConfig.l3_gbps)
+    add_hardware_flags(rep)
     rep.add_argument("--limit", type=_positive, metavar="N", help="replay the first N requests")
     rep.add_argument("--max-output", type=_positive, metavar="TOKENS",
                      help="cap each request's output_length (default: honour it)")
     rep.add_argument("--decode-us-per-step", type=_non_negative_float, metavar="US",
-                     help="virtual cost of each forward pass, a decode step (default 10000)")
+                     help="virtual cost of each forward pass, a decode step (default: the model's)")
     rep.add_argument("--sweep", metavar="NAME=A,B,C",
-                     help="replay once per value of host-pages, device-pages or l3-capacity")
+                     help="replay once per value of host-pages, device-pages, l3-capacity or a hardware "
+                          "flag (pcie-gbps, l3-read-gbps, l3-write-gbps, l3-latency-us, kv-bytes-per-token)")
     rep.add_argument("--csv", metavar="PATH", help="the sweep's table as CSV (default: beside --json)")
-    rep.add_argument("--plot", metavar="PATH.png", help="draw the sweep's hit ratios (needs the plot extra)")
+    rep.add_argument("--plot", metavar="PATH.png",
+                     help="draw the sweep's hit ratio and TTFT p90 (needs the plot extra)")
     bench = sub.add_parser("bench", help="run the benchmark suite")
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -110,15 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cache_config(ns: argparse.Namespace) -> CacheConfig:
-    """The cache flags as a config."""
+def _cache_config(ns: argparse.Namespace, prefill_us_per_token: float | None = None) -> CacheConfig:
+    """The cache flags as a config; `prefill_us_per_token` when the flag's default is a model's."""
     if ns.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {ns.timeout}")
     return CacheConfig(device_pages=ns.device_pages, host_pages=ns.host_pages, page_size=ns.page_size,
                        write_policy=ns.write_policy, prefetch_policy=ns.prefetch_policy,
                        prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
                        cp_transfer=ns.cp_transfer, sync_timeout_s=ns.timeout,
-                       prefill_us_per_token=ns.prefill_us_per_token, l3_gbps=ns.l3_gbps)
+                       prefill_us_per_token=ns.prefill_us_per_token if prefill_us_per_token is None
+                       else prefill_us_per_token, l3_gbps=ns.l3_gbps)
 
 
 def _run_args(ns: argparse.Namespace):
@@ -153,14 +157,14 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 def _replay(ns: argparse.Namespace) -> int:
     from ..engine.replay.workload import ReplaySpec
-    from ..sim.jobs import capacity
+    from ..sim import capacity
+    from ..sim.jobs import sweep_plot
     from ..sim.jobs.replay import print_summary, run
 
-    cache = _cache_config(ns)
-    args = _run_args(ns)
-    decode = {} if ns.decode_us_per_step is None else {"decode_us_per_step": ns.decode_us_per_step}
     spec = ReplaySpec(trace=ns.trace, limit=ns.limit, seed=ns.seed, max_output=ns.max_output,
-                      costs=CostModel(prefill_us_per_token=ns.prefill_us_per_token, **decode))
+                      hardware=hardware_model(ns))
+    cache = _cache_config(ns, spec.costs.prefill_us_per_token)
+    args = _run_args(ns)
     if not ns.sweep:
         if ns.plot or ns.csv:
             raise UsageError(f"{'--plot' if ns.plot else '--csv'} needs --sweep NAME=A,B,C")
@@ -170,14 +174,14 @@ def _replay(ns: argparse.Namespace) -> int:
         return _verdict(result)
     name, values = capacity.parse_sweep(ns.sweep, ns.storage)
     if ns.plot:
-        capacity.require_matplotlib()
+        sweep_plot.require_matplotlib()
     table = capacity.sweep(args, cache, spec, name, values, on_run=print_summary)
     _write_json(table, ns.json)
     csv_path = ns.csv or (os.path.splitext(ns.json)[0] + ".csv" if ns.json else None)
     if csv_path:
         capacity.write_csv(table, csv_path)
     if ns.plot:
-        capacity.plot(table, ns.plot)
+        sweep_plot.plot(table, ns.plot)
     capacity.print_table(table)
     return max(_verdict(r) for r in table["runs"])
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import anyio
 
 from ..api import EngineContext, KVPlugin
+from ..clock import OpClock
 from ..errors import PoolExhausted
 from ..pools import DevicePool
 from ..request import Request
@@ -25,12 +26,13 @@ IDLE_WAIT_S = 0.05   # the longest an idle rank waits for a completion before st
 
 class Scheduler:
     def __init__(self, model: TinyModel, plugin: KVPlugin, *, device_pages: int, page_size: int,
-                 run_id: str = "local", witness: KVWitness | None = None) -> None:
+                 run_id: str = "local", witness: KVWitness | None = None, clock: OpClock | None = None) -> None:
         self.model, self.plugin = model, plugin
         self.witness = witness or KVWitness()
         layout = model.kv_layout(page_size)
         self.pool = DevicePool(layout, device_pages)
-        plugin.attach(EngineContext(layout, self.pool, model.coords, run_id, model.groups))
+        self.context = EngineContext(layout, self.pool, model.coords, run_id, model.groups, clock or OpClock())
+        plugin.attach(self.context)
         self.forwards = 0
 
     async def run(self, workload: Workload, on_finish: Callable[[Request], None] | None = None) -> None:
@@ -39,7 +41,7 @@ class Scheduler:
         await self._serve(workload, on_finish)
         while self.plugin.busy():
             await self.plugin.on_step()
-            await self.plugin.wait_progress(IDLE_WAIT_S)
+            await self.idle(workload)
 
     async def _serve(self, workload: Workload, on_finish: Callable[[Request], None] | None) -> None:
         waiting: deque[Request] = deque()
@@ -55,7 +57,7 @@ class Scheduler:
                 if waiting and not plugin.busy():
                     raise PoolExhausted(f"request {waiting[0].id} cannot be admitted and nothing is in "
                                         f"flight: the device pool ({self.pool.num_pages} pages) is too small")
-                await plugin.wait_progress(IDLE_WAIT_S)   # until copy or storage work completes
+                await self.idle(workload)   # until copy or storage work completes
                 continue
             running += admitted
             batch = [self.chunk(r) for r in running]
@@ -75,6 +77,10 @@ class Scheduler:
                 else:
                     still.append(req)
             running = still
+
+    async def idle(self, workload: Workload) -> None:
+        """Nothing can run: wait for in-flight work (an engine on modelled time skips ahead)."""
+        await self.plugin.wait_progress(IDLE_WAIT_S)
 
     @staticmethod
     def chunk(req: Request) -> SeqChunk:

@@ -18,6 +18,7 @@ from .cache import TieredCache
 from .node import Node
 from .op_tracing import OpTracer
 from .ops import CacheOp, StorageOp
+from .page_history import L3Look, Miss
 from .prefetch_cost import Decision, PrefetchCost
 from .radix import Match
 from .storage_tier import StorageTier
@@ -31,6 +32,9 @@ class RequestState:
     lock: Node | None = None            # the cached prefix its admission locked on the device
     load: CacheOp | None = None         # the L2 -> L1 load its first forward waits for
     origin: list[str] = field(default_factory=list)   # the tier each cached page came from
+    hashes: list[str] | None = None     # of the prompt's full pages before its last token, once needed
+    look: L3Look | None = None          # what its look at L3 found, to explain a miss
+    committed: int = 0                  # pages its prefetch fetched
 
 
 class Admissions:
@@ -41,6 +45,7 @@ class Admissions:
         self.requests: dict[int, RequestState] = {}
         self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
                       "tokens_from_l3": 0, "tokens_computed": 0}
+        self.misses: dict[str, str] = {}    # request id -> why the page after its cached prefix missed
 
     def admit(self, req: Request) -> bool:
         state = self.requests.setdefault(req.id, RequestState())
@@ -72,7 +77,20 @@ class Admissions:
         self._count("tokens_from_l2", host_tokens - l3_tokens)
         self._count("tokens_computed", len(req.prompt) - req.cached)
         self.stats["prompt_tokens"] += len(req.prompt)
+        if req.cached < len(tokens) // ps * ps:
+            self.misses[str(req.id)] = self._why_missed(req, state, tokens, req.cached // ps).value
         return True
+
+    def _hashes(self, req: Request, state: RequestState, tokens: list[int]) -> list[str]:
+        if state.hashes is None:
+            ps = self.config.page_size
+            state.hashes = page_hashes(tokens[: len(tokens) // ps * ps], ps, salt=req.cache_salt)
+        return state.hashes
+
+    def _why_missed(self, req: Request, state: RequestState, tokens: list[int], page: int) -> Miss:
+        """Why full page `page` of the prompt, the first one not served, was not."""
+        looked = state.look.why_missed(page, state.committed) if state.look is not None else None
+        return looked or self.cache.history.why_absent(self._hashes(req, state, tokens)[page], self.l3 is not None)
 
     def _start_prefetch(self, req: Request, state: RequestState, tokens: list[int], match: Match) -> bool:
         """Fetch the prompt's full pages that L1 and L2 miss from L3, if that beats recomputing
@@ -80,16 +98,25 @@ class Admissions:
         ps = self.config.page_size
         full = len(tokens) // ps
         cached_pages = (match.device_tokens + match.host_tokens) // ps
-        missing = full - cached_pages
+        if full <= cached_pages:
+            return False
+        hashes = self._hashes(req, state, tokens)
+        end, beyond = full, None
+        if self.cache.ledger.clock.modelled:    # only what L3 holds in modelled time, as every rank knows
+            end = cached_pages + self.cache.history.stored_run(hashes, cached_pages, self.l3.store.stored_run)
+            beyond = self.cache.history.why_absent(hashes[end], l3=True) if end < full else None
+        missing = end - cached_pages
+        state.look = L3Look(cached_pages, end, beyond, None)
         if missing <= 0:
             return False
         state.decision = self.prefetch_cost.decide(missing, missing * ps)
         if not state.decision.fetch:
+            state.look = L3Look(cached_pages, end, beyond, Miss.DECLINED)
             return False
-        hashes = page_hashes(tokens[: full * ps], ps, salt=req.cache_salt)
-        op = self.l3.prefetch(req.id, match.last_node, tokens[: full * ps], cached_pages, hashes,
+        op = self.l3.prefetch(req.id, match.last_node, tokens[: end * ps], cached_pages, hashes[:end],
                               salt=req.cache_salt)
         if op is None:
+            state.look = L3Look(cached_pages, end, beyond, Miss.NO_HOST_ROOM)
             return False
         if op.span is not None and op.span.is_recording():
             op.span.set_attributes(state.decision.attributes())
@@ -103,7 +130,8 @@ class Admissions:
 
     def prefetched(self, op: StorageOp) -> None:
         """`op` retired: its request may be admitted now, from what it committed."""
-        self.requests[op.request_id].prefetch = None
+        state = self.requests[op.request_id]
+        state.prefetch, state.committed = None, op.committed
 
     def kv_origin(self, req: Request) -> list[str]:
         state = self.requests.get(req.id)

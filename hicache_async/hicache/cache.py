@@ -20,6 +20,7 @@ from .ledger import Ledger
 from .node import Node
 from .op_tracing import OpTracer
 from .ops import CacheOp
+from .page_history import PageHistory
 from .radix import Match, RadixTree
 
 WRITE_ON_EVICT = ("write_back", "write_through_selective")
@@ -48,6 +49,7 @@ class TieredCache:
         self.note = self.ledger.note
         self.tracer = self.ledger.tracer
         self.dropped_pages = 0
+        self.history = PageHistory()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -91,6 +93,7 @@ class TieredCache:
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str], salt: str | None = None) -> list[int]:
         """Cache a sequence's full pages; returns the caller's pages to free."""
         inserted = self.tree.insert(tokens, pages, hashes, salt)
+        self.history.inserted(hashes[: len(tokens) // self.config.page_size])
         self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
         if self.config.write_policy == "write_through":
             for node in inserted.new_nodes:

@@ -136,13 +136,13 @@ class Ledger:
         """Retire exactly what every rank agreed, FIFO per kind; returns the ops by kind.
 
         A later pipeline stage may get here before its own copy of an op finished: it awaits
-        it (bounded). A prefetch retired before it finished was given up on by its policy:
+        it (bounded). A prefetch retired before it was due was given up on by its policy:
         it is told to stop, and commits the pages every rank fetched."""
         retired = {WRITE: self.queues[WRITE].retire(agreed.writes), LOAD: self.queues[LOAD].retire(agreed.loads),
                    BACKUP: self.queues[BACKUP].retire(agreed.backups),
                    PREFETCH: self.queues[PREFETCH].retire(agreed.prefetches)}
         for op, pages in zip(retired[PREFETCH], agreed.prefetch_pages):
-            if not op.done.query():
+            if not self.clock.due(op):
                 op.cancel.set()
                 op.terminated = True
             op.nbytes = pages * (op.nbytes // max(op.pages, 1))

@@ -73,7 +73,7 @@ class HiCachePlugin(KVPlugin):
             self.l3 = StorageTier(self.cache, store, cfg, self._tasks)
         self.prefetch_cost = PrefetchCost(engine.layout, coords, prefill_us_per_token=cfg.prefill_us_per_token,
                                           l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us,
-                                          threshold_tokens=cfg.prefetch_threshold)
+                                          threshold_tokens=cfg.prefetch_threshold, clock=engine.clock)
         self.admissions = Admissions(cfg, self.cache, self.l3, self.prefetch_cost, self.tracer)
 
     # -- requests ---------------------------------------------------------------------------
@@ -155,7 +155,8 @@ class HiCachePlugin(KVPlugin):
                 "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "prefetches_terminated": self.l3.terminated if self.l3 else 0,
-                "pp_sync": self.agreement.counts(),
+                "l3_pages_from_before": self.l3.earlier_pages if self.l3 else 0,
+                "pp_sync": self.agreement.counts(), "miss_reasons": self.admissions.misses,
                 "step_us": self.step_us}
 
     # -- lifetime ---------------------------------------------------------------------------

@@ -9,12 +9,16 @@ Every rank must decide alike, so the inputs are either configured (prefill cost,
 agreed: each rank offers the throughput of the prefetches it completed, the step message
 carries the MIN (the slowest rank bounds a prefetch), and every rank folds that same number
 into the same running estimate at the same step. Page bytes are a rank's share of the
-model's page, worked out from global figures so that it is the same on every rank.
+model's page, worked out from global figures so that it is the same on every rank. Under a
+modelled clock (a replay) the clock times a fetch as it will time the prefetch, the same on
+every rank, and nothing is measured.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..clock import OpClock
+from ..kinds import TransferKind
 from ..layout import KVLayout
 from ..parallel.agreement import NOT_READY
 from ..topology import RankCoords
@@ -35,7 +39,9 @@ class Decision:
 
 class PrefetchCost:
     def __init__(self, layout: KVLayout, coords: RankCoords, *, prefill_us_per_token: float,
-                 l3_gbps: float, l3_latency_us: float, threshold_tokens: int | None = None) -> None:
+                 l3_gbps: float, l3_latency_us: float, threshold_tokens: int | None = None,
+                 clock: OpClock | None = None) -> None:
+        self.clock = clock or OpClock()
         # Per-rank bytes of a page from global figures only: TP splits the heads (replicating
         # each above their number; MLA's one latent is never split), PP the layers.
         heads = layout.total_kv_heads / min(coords.tp_size, layout.total_kv_heads)
@@ -50,15 +56,18 @@ class PrefetchCost:
     def decide(self, pages: int, tokens: int) -> Decision:
         """Fetch when it beats recomputing; an explicit token threshold overrides the rule (the
         costs are still worked out, for the spans)."""
-        fetch_s = self.latency_s + pages * self.page_bytes / self.bytes_per_s
+        fetch_s = self.clock.transfer_s(TransferKind.PREFETCH, pages)
+        if fetch_s is None:
+            fetch_s = self.latency_s + pages * self.page_bytes / self.bytes_per_s
         recompute_s = tokens * self.prefill_s
         if self.threshold_tokens is not None:
             return Decision(tokens >= max(self.threshold_tokens, self.page_size), fetch_s, recompute_s)
         return Decision(fetch_s < recompute_s, fetch_s, recompute_s)
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        """A prefetch this rank completed: offer its throughput (KB/s) at the next agreement."""
-        if nbytes and seconds > 0:
+        """A prefetch this rank completed: offer its throughput (KB/s) at the next agreement
+        (none under a modelled clock: its wall time says nothing about the modelled link)."""
+        if nbytes and seconds > 0 and not self.clock.modelled:
             self._offer = min(self._offer, int(nbytes / seconds / 1e3))
 
     def offer(self) -> int:

@@ -45,6 +45,7 @@ class StorageTier:
                          for kind in (TransferKind.BACKUP, TransferKind.PREFETCH)}
         self.errors = 0
         self.terminated = 0     # prefetches the policy ended before they finished
+        self.earlier_pages = 0  # pages fetched that this run never cached: L3 held them from before it
 
     # -- issue ------------------------------------------------------------------------------
 
@@ -139,6 +140,7 @@ class StorageTier:
         """Ops every rank retired: backups give back their host lock, prefetches commit."""
         for op in backups:
             self.tree.lock_host(op.node, -1)
+            self.cache.history.backed_up(op.hashes, getattr(op.result, "ok", []))
             self._count_errors(op)
         for op in prefetches:
             self.terminated += op.terminated
@@ -154,6 +156,8 @@ class StorageTier:
         if op.committed:
             unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed],
                                            op.salt)
+            fetched = op.hashes[op.first_page: op.first_page + op.committed]
+            self.earlier_pages += self.cache.history.backed_up(fetched, [True] * len(fetched))
         self.host.alloc.release(unused)
         self._count_errors(op)
 

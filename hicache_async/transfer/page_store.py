@@ -12,9 +12,10 @@ the full KV of its pages.
 
 Every object carries a checksum, computed on backup and verified on prefetch, beside the
 transfer (`checksums.py`): headers just ahead of the adapter's writes, verification just
-behind its reads, while the bytes are in cache. There is no separate existence probe:
-a prefetch reads until the first object the adapter reports missing, and a backup lets the
-adapter skip objects it already holds.
+behind its reads, while the bytes are in cache. A prefetch reads until the first object the
+adapter reports missing, and a backup lets the adapter skip objects it already holds; the one
+existence probe (`stored_run`) serves a replay, which must know before a prefetch what an
+earlier run left in L3.
 """
 from __future__ import annotations
 
@@ -169,6 +170,19 @@ class PageStore:
         return result
 
     # -- L3 -> L2 ------------------------------------------------------------------------
+
+    def stored_run(self, page_hashes: list[str]) -> int:
+        """How many leading pages have every object this rank reads in storage (0 if the call
+        fails): present, not yet verified."""
+        if not page_hashes:
+            return 0
+        keys = [spec.key for h in page_hashes for spec in self.keys.objects(h)]
+        try:
+            present = self.adapter.batch_exists(keys)
+        except StorageError:
+            self.counters.add(storage_errors=1)
+            return 0
+        return present // (len(keys) // len(page_hashes))
 
     def prefetch(self, page_hashes: list[str], host: HostPool, host_pages: list[int],
                  cancel: threading.Event | None = None) -> PrefetchResult:

@@ -14,8 +14,10 @@ completes it). Only full pages are ever cached, so nothing reads a page before i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import anyio
 import numpy as np
 import torch
 
@@ -26,9 +28,10 @@ from ...topology import RankCoords, check_topology, kv_head_range, split_range
 from ..scheduler import Scheduler
 from ..splitmix import splitmix64
 from ..tiny.model import SeqChunk
-from .clock import CostModel, VirtualClock
+from .clock import ForwardTimer
 from .kv import ReplayKV
 from .trace import VOCAB
+from .workload import ReplayWorkload
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,16 @@ class ReplayChunk(SeqChunk):
 
 
 class ReplayScheduler(Scheduler):
-    """The reference scheduler, handing the replay model each chunk's request."""
+    """The reference scheduler, handing the replay model each chunk's request. On a modelled
+    clock an idle loop jumps to the next arrival or modelled completion, whichever is first."""
+
+    async def idle(self, workload: ReplayWorkload) -> None:
+        clock = self.context.clock
+        ahead = min(workload.next_arrival_us, clock.next_event_us()) if clock.modelled else math.inf
+        if ahead == math.inf:      # nothing modelled ahead: what is due waits for its bytes
+            return await super().idle(workload)
+        clock.virtual.jump_to(ahead)
+        await anyio.lowlevel.checkpoint()
 
     @staticmethod
     def chunk(req: Request) -> ReplayChunk:
@@ -57,9 +69,9 @@ class ReplayScheduler(Scheduler):
 
 
 class ReplayModel:
-    def __init__(self, spec: ReplayModelSpec, page_size: int, clock: VirtualClock, costs: CostModel,
+    def __init__(self, spec: ReplayModelSpec, page_size: int, timer: ForwardTimer,
                  coords: RankCoords | None = None, groups=None) -> None:
-        self.spec, self.page_size, self.clock, self.costs = spec, page_size, clock, costs
+        self.spec, self.page_size, self.timer = spec, page_size, timer
         self.coords = coords = coords or RankCoords()
         self.groups = groups
         check_topology(coords.tp_size, coords.pp_size, coords.cp_size, num_layers=spec.layers,
@@ -81,11 +93,9 @@ class ReplayModel:
         """Write the KV of every page this batch fills, layer by layer after `layer_ready`,
         advance the virtual clock by the batch's cost, return each sequence's next token."""
         ps = self.page_size
-        ids, pages, prefill = [], [], 0
+        ids, pages = [], []
         for chunk in batch:
             seq = chunk.req.tag
-            if chunk.start < len(seq.prompt):
-                prefill += len(chunk.tokens)
             for page in range(chunk.start // ps, chunk.end // ps):
                 ids.append(seq.page_id(page))
                 pages.append(chunk.pages[page])
@@ -96,7 +106,7 @@ class ReplayModel:
                 await layer_ready(layer)
             if values is not None:
                 kv[layer].index_copy_(0, index, values[layer])
-        self.clock.advance(self.costs.forward_us(prefill))
+        self.timer.forward(batch)
         return next_tokens([c.req for c in batch])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from ...errors import UsageError
 from ...request import Request
 from .clock import CostModel, VirtualClock
+from .hardware import HardwareModel
 from .trace import TraceRequest, block_prefixes, output_page_id, prompt_page_ids, prompt_tokens
 
 
@@ -24,7 +26,7 @@ class ReplaySpec:
     limit: int | None = None         # first N requests of the trace
     seed: int = 0                    # selects the tokens each block id stands for
     max_output: int | None = None    # cap on output_length (None: honour it)
-    costs: CostModel = CostModel()
+    hardware: HardwareModel = HardwareModel()
 
     def __post_init__(self) -> None:
         if self.max_output is not None and self.max_output < 1:
@@ -32,7 +34,11 @@ class ReplaySpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ReplaySpec":
-        return cls(**{**d, "costs": CostModel(**d["costs"])})
+        return cls(**{**d, "hardware": HardwareModel(**d["hardware"])})
+
+    @property
+    def costs(self) -> CostModel:
+        return self.hardware.costs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -76,13 +82,20 @@ class ReplayWorkload:
             self.clock.jump_to(self.trace[self._next].timestamp_ms * 1e3)   # idle: skip ahead
         out = []
         while self._next < len(self.trace) and self.trace[self._next].timestamp_ms * 1e3 <= self.clock.now_us:
-            req = self.trace[self._next]
-            prompt = prompt_tokens(req, self.spec.seed)
-            out.append(Request(req.line, prompt.tolist(), self.spec.max_new(req),
-                               tag=ReplaySeq(req, prompt, self.page_size, self.spec.seed),
-                               cache_salt=req.cache_salt))
+            out.append(self.request(self.trace[self._next]))
             self._next += 1
         return out
+
+    def request(self, req: TraceRequest) -> Request:
+        """The engine's request for a trace line, tagged with what the replay engine needs."""
+        prompt = prompt_tokens(req, self.spec.seed)
+        return Request(req.line, prompt.tolist(), self.spec.max_new(req),
+                       tag=ReplaySeq(req, prompt, self.page_size, self.spec.seed), cache_salt=req.cache_salt)
+
+    @property
+    def next_arrival_us(self) -> float:
+        """When the next request arrives on the virtual clock (inf: none left)."""
+        return self.trace[self._next].timestamp_ms * 1e3 if self._next < len(self.trace) else math.inf
 
     def complete(self, req: Request) -> None:
         self.completed += 1

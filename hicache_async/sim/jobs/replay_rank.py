@@ -9,12 +9,13 @@ from array import array
 from ...api import KVPlugin
 from ...config import CacheConfig
 from ...engine.kv_witness import KVCheck
-from ...engine.replay.clock import VirtualClock
+from ...engine.replay.clock import ForwardTimer, VirtualClock
 from ...engine.replay.model import ReplayModel, ReplayModelSpec, ReplayScheduler
+from ...engine.replay.modelled_clock import ModelledClock
 from ...engine.replay.trace import read_trace
 from ...engine.replay.workload import ReplaySpec, ReplayWorkload
 from ...request import Request
-from .harness import hicache_plugin, serve_with_progress, with_telemetry
+from .simulate_rank import hicache_plugin, serve_with_progress, with_telemetry
 
 
 class TimedAdmission:
@@ -49,14 +50,17 @@ async def _replay(ctx) -> dict:
     cache_cfg = CacheConfig(**ctx.payload["cache"])
     ps = cache_cfg.page_size
     clock = VirtualClock()
-    model = ReplayModel(ReplayModelSpec(**ctx.payload["model"]), ps, clock, spec.costs, ctx.coords, ctx.groups)
+    transfers = ModelledClock(clock, spec.hardware, ctx.coords, ps)
+    trace = read_trace(spec.trace, ps, spec.limit)
+    timer = ForwardTimer(clock, spec.costs, trace, loads=transfers.take_loads_us, layers=spec.hardware.preset.layers)
+    model = ReplayModel(ReplayModelSpec(**ctx.payload["model"]), ps, timer, ctx.coords, ctx.groups)
     layout = model.kv_layout(ps)
     check = KVCheck(model.kv, layout, ctx.coords, exact=True)
-    workload = ReplayWorkload(read_trace(spec.trace, ps, spec.limit), spec, ps, clock)
+    workload = ReplayWorkload(trace, spec, ps, clock)
     async with hicache_plugin(ctx, cache_cfg) as plugin:
         timed = TimedAdmission(plugin)
         scheduler = ReplayScheduler(model, timed, device_pages=cache_cfg.device_pages, page_size=ps,
-                                    run_id=ctx.run_id, witness=check)
+                                    run_id=ctx.run_id, witness=check, clock=transfers)
         await serve_with_progress(ctx, lambda on_finish: scheduler.run(workload, on_finish))
     report = plugin.report()
     report.update(check.report())
@@ -64,6 +68,9 @@ async def _replay(ctx) -> dict:
     report["requests"] = workload.completed
     report["forwards"] = scheduler.forwards
     report["virtual_seconds"] = round(clock.now_us / 1e6, 3)
+    report["ttft_us"] = timer.ttft_us.tolist()
+    report["cached_tokens"] = [timer.cached[r.line] for r in trace]     # in the trace's order
+    report["last_forward_us"] = timer.last_us
     report["page_bytes"] = layout.page_bytes
     report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return report

@@ -1,0 +1,127 @@
+"""A sweep's plot: hit ratio and TTFT p90 against the swept value, beside no cache and the ideal cache.
+
+Ticks sit at the swept values and read as a person writes them ("128 GiB", "2 GB/s"); a
+capacity axis also names its tokens, since GiB alone depends on the model.
+"""
+from __future__ import annotations
+
+import os
+
+from ...errors import UsageError
+from . import units
+
+TIERS = (("l1_ratio", "L1 device"), ("l2_ratio", "L2 host"), ("l3_ratio", "L3 storage"))
+
+
+def require_matplotlib() -> None:
+    """Fail before any replay runs when --plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'hicache-async[plot]'") from None
+
+
+def _is_capacity(table: dict) -> bool:
+    return table["unit"] in ("pages", "bytes") and table["sweep"] != "kv-bytes-per-token"
+
+
+def _x(table: dict) -> tuple[list[float], list[str], str]:
+    """x values, their tick labels and the axis label: a capacity in the modelled model's KV
+    bytes, any other knob as swept."""
+    rows = table["rows"]
+    if _is_capacity(table):
+        x = [r["capacity_tokens"] * r["kv_bytes_per_token"] for r in rows]
+        return x, [units.size(v) for v in x], f"{table['label']}, KV of the modelled model"
+    if table["unit"] == "bytes":
+        return [r["value"] for r in rows], [units.size(r["value"]) for r in rows], table["label"]
+    return [r["value"] for r in rows], [units.number(r["value"]) for r in rows], f"{table['label']} ({table['unit']})"
+
+
+def _ms_scale(values: list[float]) -> tuple[float, str]:
+    return (1000.0, "s") if max(values) >= 10_000 else (1.0, "ms")
+
+
+def plot(table: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw(table)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw(table: dict):
+    """The sweep's figure: hit ratio by tier over TTFT p90, sharing the swept axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    rows = table["rows"]
+    x, labels, xlabel = _x(table)
+    has_ttft = "ttft_ms_p90" in rows[0]
+    fig, axes = plt.subplots(2 if has_ttft else 1, 1, sharex=True, figsize=(7.5, 7 if has_ttft else 4.5),
+                             squeeze=False)
+    hit, bottom = axes[0][0], axes[-1][0]
+    hit.stackplot(x, *([r[key] for r in rows] for key, _ in TIERS), alpha=0.75,
+                  labels=[name for _, name in TIERS], colors=("#4c72b0", "#55a868", "#dd8452"))
+    hit.plot(x, [r["oracle_ratio"] for r in rows], "k--", label="ideal cache (unbounded)")
+    hit.axhline(0, color="#c44e52", lw=2, label="no cache")
+    hit.set_ylim(0, 1)
+    hit.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    hit.set_ylabel("prompt tokens served from cache")
+    hit.legend(loc="upper left", fontsize="small", ncols=2)
+
+    if has_ttft:
+        _ttft_panel(bottom, x, rows)
+    if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 10:
+        bottom.set_xscale("log")
+    _fixed_ticks(bottom.xaxis, x, labels)
+    if _is_capacity(table):
+        per_token = rows[0]["kv_bytes_per_token"]
+        tokens = hit.secondary_xaxis("top", functions=(lambda b: b / per_token, lambda t: t * per_token))
+        _fixed_ticks(tokens.xaxis, [r["capacity_tokens"] for r in rows],
+                     [units.count(r["capacity_tokens"]) for r in rows])
+        tokens.set_xlabel(f"{table['capacity_of']} capacity in tokens")
+    bottom.set_xlabel(xlabel)
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+    title = (f"{os.path.basename(table['trace'])}: hit ratio{' and TTFT p90' if has_ttft else ''} "
+             f"against the {table['label']}")
+    hit.set_title("\n".join(filter(None, (title, _fixed_part(table)))), fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def _ttft_panel(ax, x: list[float], rows: list[dict]) -> None:
+    """TTFT p90 of each run beside the same trace with no cache and with the ideal cache."""
+    from matplotlib.ticker import FuncFormatter
+
+    scale, unit = _ms_scale([r["baseline_ttft_ms_p90"] for r in rows] + [r["ttft_ms_p90"] for r in rows])
+    ax.plot(x, [r["ttft_ms_p90"] / scale for r in rows], "o-", color="#4c72b0", label="this configuration")
+    ax.plot(x, [r["baseline_ttft_ms_p90"] / scale for r in rows], "-", color="#c44e52", label="no cache")
+    ax.plot(x, [r["oracle_ttft_ms_p90"] / scale for r in rows], "k--", label="ideal cache")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: units.number(v)))
+    ax.set_ylabel(f"TTFT p90 ({unit})")
+    ax.legend(loc="best", fontsize="small")
+
+
+def _fixed_ticks(axis, at: list[float], labels: list[str]) -> None:
+    """Ticks at the swept values only, labelled as given: no offsets, no 10^n minor labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    axis.set_major_locator(FixedLocator(at))
+    axis.set_minor_locator(NullLocator())
+    axis.set_major_formatter(FuncFormatter(lambda v, pos: labels[pos] if pos is not None and pos < len(labels) else ""))
+
+
+def _fixed_part(table: dict) -> str:
+    """What the sweep held still: the model and, for a hardware sweep, the host pool."""
+    first = table["rows"][0]
+    held = [f"modelled {table['model']}"]
+    if table["sweep"] == "kv-bytes-per-token":
+        held.append(f"{table['capacity_of']} {units.tokens(first['capacity_tokens'])}")
+    elif not _is_capacity(table):
+        held.append(f"{table['capacity_of']} {units.size(first['capacity_tokens'] * first['kv_bytes_per_token'])} "
+                    f"({units.tokens(first['capacity_tokens'])})")
+    return ", ".join(held)
