@@ -47,6 +47,11 @@ class KVPlugin:
         """Give `req` its device pages (reusing cached prefix KV); False: try again next step."""
         raise NotImplementedError
 
+    def fetching(self, req: Request) -> bool:
+        """Whether `req` waits for the plugin's own fetch (an L3 prefetch), so that `admit` only
+        marks it wanted and does no cache work: an engine timing admissions leaves it out."""
+        return False
+
     async def layer_ready(self, reqs: list[Request], layer: int) -> None:
         """Return once layer `layer` of every request's cached KV is on the device; called
         from the forward pass with the newly admitted requests that reuse cached KV."""

@@ -157,7 +157,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 def _replay(ns: argparse.Namespace) -> int:
     from ..engine.replay.workload import ReplaySpec
-    from ..sim import capacity
+    from ..sim.jobs import capacity
     from ..sim.jobs import sweep_plot
     from ..sim.jobs.replay import print_summary, run
 

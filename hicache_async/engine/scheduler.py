@@ -7,6 +7,8 @@ builds the same batches. The caller runs it inside `async with plugin:`.
 """
 from __future__ import annotations
 
+import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 
@@ -34,6 +36,7 @@ class Scheduler:
         self.context = EngineContext(layout, self.pool, model.coords, run_id, model.groups, clock or OpClock())
         plugin.attach(self.context)
         self.forwards = 0
+        self.admission_us = array("d")     # each admission attempt's time in the plugin
 
     async def run(self, workload: Workload, on_finish: Callable[[Request], None] | None = None) -> None:
         """Serve the whole workload, then keep stepping until the plugin's in-flight ops retired
@@ -51,7 +54,7 @@ class Scheduler:
             await plugin.on_step()
             waiting.extend(workload.arrivals())
             admitted: list[Request] = []
-            while waiting and plugin.admit(waiting[0]):
+            while waiting and self._admit(waiting[0]):
                 admitted.append(waiting.popleft())
             if not running and not admitted:
                 if waiting and not plugin.busy():
@@ -89,6 +92,16 @@ class Scheduler:
         if not req.output:
             return SeqChunk(req.prompt[req.kv_len:], req.kv_len, req.pages)
         return SeqChunk([req.output[-1]], req.kv_len, req.pages)
+
+    def _admit(self, req: Request) -> bool:
+        """`plugin.admit`, timed into `admission_us` unless it only marks a request whose L3
+        prefetch is under way as wanted (no cache work: not an admission attempt)."""
+        if self.plugin.fetching(req):
+            return self.plugin.admit(req)
+        start = time.perf_counter()
+        admitted = self.plugin.admit(req)
+        self.admission_us.append((time.perf_counter() - start) * 1e6)
+        return admitted
 
     def _layer_ready(self, admitted: list[Request]):
         """The forward pass's per-layer hook. Each layer gives the event loop's other tasks (the

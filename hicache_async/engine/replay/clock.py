@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ...errors import UsageError
 
 if TYPE_CHECKING:
-    from .replay_trace import TraceRequest
+    from .trace import TraceRequest
 
 
 @dataclass(frozen=True)

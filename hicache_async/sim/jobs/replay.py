@@ -1,6 +1,6 @@
 """`hicache-async replay TRACE`: a Mooncake-format trace served through the real plugin on the
 replay engine across simulated ranks, every reused page verified, in the modelled time of a
-served model on a machine (`engine.hardware`). Beside it, from the trace alone: the unbounded-
+served model on a machine (`engine/replay/hardware.py`). Beside it, from the trace alone: the unbounded-
 cache oracle, the TTFT the trace gets with no cache and with that ideal cache, and where the
 reuse the cache missed went."""
 from __future__ import annotations

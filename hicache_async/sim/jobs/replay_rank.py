@@ -3,10 +3,7 @@ plugin, every reused page checked against the replay KV function."""
 from __future__ import annotations
 
 import resource
-import time
-from array import array
 
-from ...api import KVPlugin
 from ...config import CacheConfig
 from ...engine.kv_witness import KVCheck
 from ...engine.replay.clock import ForwardTimer, VirtualClock
@@ -14,31 +11,7 @@ from ...engine.replay.model import ReplayModel, ReplayModelSpec, ReplayScheduler
 from ...engine.replay.modelled_clock import ModelledClock
 from ...engine.replay.trace import read_trace
 from ...engine.replay.workload import ReplaySpec, ReplayWorkload
-from ...request import Request
-from .simulate_rank import hicache_plugin, serve_with_progress, with_telemetry
-
-
-class TimedAdmission:
-    """The plugin as the scheduler sees it, with each admission attempt timed.
-
-    A call that only marks a pending prefetch as wanted does no cache work, so it is not
-    an attempt; every other call is, admitted or not.
-    """
-
-    def __init__(self, plugin: KVPlugin) -> None:
-        self._plugin = plugin
-        self.us = array("d")
-
-    def admit(self, req: Request) -> bool:
-        if self._plugin.fetching(req):
-            return self._plugin.admit(req)
-        start = time.perf_counter()
-        admitted = self._plugin.admit(req)
-        self.us.append((time.perf_counter() - start) * 1e6)
-        return admitted
-
-    def __getattr__(self, name: str):
-        return getattr(self._plugin, name)
+from .harness import hicache_plugin, serve_with_progress, with_telemetry
 
 
 async def run_rank(ctx) -> dict:
@@ -58,13 +31,12 @@ async def _replay(ctx) -> dict:
     check = KVCheck(model.kv, layout, ctx.coords, exact=True)
     workload = ReplayWorkload(trace, spec, ps, clock)
     async with hicache_plugin(ctx, cache_cfg) as plugin:
-        timed = TimedAdmission(plugin)
-        scheduler = ReplayScheduler(model, timed, device_pages=cache_cfg.device_pages, page_size=ps,
+        scheduler = ReplayScheduler(model, plugin, device_pages=cache_cfg.device_pages, page_size=ps,
                                     run_id=ctx.run_id, witness=check, clock=transfers)
         await serve_with_progress(ctx, lambda on_finish: scheduler.run(workload, on_finish))
     report = plugin.report()
     report.update(check.report())
-    report["admission_us"] = timed.us.tolist()
+    report["admission_us"] = scheduler.admission_us.tolist()
     report["requests"] = workload.completed
     report["forwards"] = scheduler.forwards
     report["virtual_seconds"] = round(clock.now_us / 1e6, 3)
