@@ -1,4 +1,4 @@
-"""Against a real mooncake_master started on free loopback ports (see mooncake_fixture)."""
+"""Against a real mooncake_master started on free loopback ports (the fixtures in conftest.py)."""
 import time
 
 import pytest
@@ -16,8 +16,7 @@ from hicache_async.topology import RankCoords
 from hicache_async.transfer import checksums
 from hicache_async.transfer.objects import HEADER_BYTES, encode_header
 from hicache_async.transfer.page_store import PageStore
-from tests.ground.test_keys import rank_layout
-from tests.helpers.mooncake_fixture import mooncake_master, mooncake_storage  # noqa: F401  (fixtures)
+from tests.helpers.layouts import rank_layout
 
 LAYOUT = rank_layout(RankCoords())
 

@@ -8,24 +8,8 @@ import pytest
 
 from hicache_async.errors import UsageError
 from hicache_async.keys import RankSuffixKeys, UnifiedKeys, make_key_scheme, page_hashes
-from hicache_async.layout import KVLayout
-from hicache_async.topology import RankCoords, kv_head_range, split_range
-
-TOTAL_LAYERS, TOTAL_HEADS = 8, 4
-
-
-def rank_layout(coords: RankCoords, attention: str = "mha", head_dim: int = 4, page_size: int = 4) -> KVLayout:
-    """The layout a rank holds: its PP stage's layers and (MHA) its TP share of the kv heads,
-    or the one head it replicates when TP exceeds them."""
-    layers = split_range(TOTAL_LAYERS, coords.pp_size, coords.pp_rank)
-    heads = kv_head_range(TOTAL_HEADS, coords.tp_size, coords.tp_rank) if attention == "mha" else range(1)
-    return KVLayout(num_layers=len(layers), kv_heads=len(heads), head_dim=head_dim, page_size=page_size,
-                    attention=attention, first_layer=layers.start, first_head=heads.start,
-                    total_layers=TOTAL_LAYERS, total_kv_heads=TOTAL_HEADS if attention == "mha" else 1)
-
-
-def grid(tp: int, pp: int, cp: int):
-    return [RankCoords.of(r, tp, pp, cp) for r in range(tp * pp * cp)]
+from hicache_async.topology import RankCoords
+from tests.helpers.layouts import LAYOUT, grid, rank_layout
 
 
 def test_page_hash_is_chained_sha256_of_le_u32_tokens():
@@ -98,7 +82,7 @@ def test_rank_suffix_mla_keys_identical_across_tp_ranks_and_only_tp0_writes():
 
 
 def test_default_coords_give_valid_suffixes():
-    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+    layout = LAYOUT
     spec = make_key_scheme("rank-suffix", layout, RankCoords()).objects("00" * 32)[0]
     assert spec.key == f"{'00' * 32}_{layout.namespace()}_tp0of1"
     assert RankSuffixKeys(layout).objects("00" * 32)[0] == spec

@@ -5,11 +5,10 @@ import gzip
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest, ExportLogsServiceResponse
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -193,9 +192,3 @@ def _handler_for(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
             """Quiet: tests read records, not access logs."""
 
     return Handler
-
-
-@pytest.fixture
-def otlp_receiver() -> Iterator[OTLPReceiver]:
-    with OTLPReceiver() as receiver:
-        yield receiver

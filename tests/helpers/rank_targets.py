@@ -1,4 +1,4 @@
-"""Rank targets for tests/sim/test_launcher.py; each runs inside a launched rank process."""
+"""Rank targets for the launcher and torchrun tests (tests/sim/); each runs inside a rank process."""
 from __future__ import annotations
 
 import os
@@ -96,3 +96,9 @@ def time_all_reduce(ctx: RankContext) -> dict:
         times["blocking_us"].append(blocking())
         times["awaited_us"].append(asyncio.run(awaited()))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def read_shipped(ctx: RankContext) -> dict:
+    """The file the payload names, as this rank sees it."""
+    with open(ctx.payload["file"]) as f:
+        return {"path": ctx.payload["file"], "text": f.read(), "seed": ctx.payload["seed"]}

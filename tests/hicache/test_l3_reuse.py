@@ -11,7 +11,6 @@ from hicache_async.hicache.prefetch_cost import PrefetchCost
 from hicache_async.layout import KVLayout
 from hicache_async.parallel.agreement import NOT_READY
 from hicache_async.topology import RankCoords
-from tests.helpers.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 
 CLI = [sys.executable, "-m", "hicache_async", "simulate"]
 
@@ -44,24 +43,24 @@ def test_a_second_run_on_a_long_lived_mooncake_master_reads_l3(tmp_path, mooncak
                          "--mooncake-metadata", mooncake_master.metadata_url))
 
 
-LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=16, page_size=16)   # 16 KiB a page
+PAGE_16KIB = KVLayout(num_layers=4, kv_heads=2, head_dim=16, page_size=16)   # the fetch times below assume it
 
 
 def test_prefetch_is_issued_when_fetching_beats_recomputing():
-    cost = PrefetchCost(LAYOUT, RankCoords(), prefill_us_per_token=50, l3_gbps=1.0, l3_latency_us=1000)
+    cost = PrefetchCost(PAGE_16KIB, RankCoords(), prefill_us_per_token=50, l3_gbps=1.0, l3_latency_us=1000)
     assert not cost.decide(pages=1, tokens=16).fetch     # 1.02 ms to fetch, 0.8 ms to recompute
     assert cost.decide(pages=2, tokens=32).fetch         # 1.03 ms against 1.6 ms
-    slow = PrefetchCost(LAYOUT, RankCoords(), prefill_us_per_token=50, l3_gbps=0.001, l3_latency_us=1000)
+    slow = PrefetchCost(PAGE_16KIB, RankCoords(), prefill_us_per_token=50, l3_gbps=0.001, l3_latency_us=1000)
     assert not slow.decide(pages=64, tokens=1024).fetch  # 1 GB/s L3 no more: recompute
 
 
 def test_the_bandwidth_estimate_moves_only_by_agreed_samples():
-    cost = PrefetchCost(LAYOUT, RankCoords(tp_size=2, tp_rank=1), prefill_us_per_token=50, l3_gbps=1.0,
+    cost = PrefetchCost(PAGE_16KIB, RankCoords(tp_size=2, tp_rank=1), prefill_us_per_token=50, l3_gbps=1.0,
                         l3_latency_us=0)
-    assert cost.page_bytes == LAYOUT.page_bytes / 2       # this rank's share, the same on every rank
-    replica = PrefetchCost(LAYOUT, RankCoords(tp_size=4, tp_rank=3), prefill_us_per_token=50, l3_gbps=1.0,
+    assert cost.page_bytes == PAGE_16KIB.page_bytes / 2  # this rank's share, the same on every rank
+    replica = PrefetchCost(PAGE_16KIB, RankCoords(tp_size=4, tp_rank=3), prefill_us_per_token=50, l3_gbps=1.0,
                            l3_latency_us=0)
-    assert replica.page_bytes == LAYOUT.page_bytes / 2    # tp4 on 2 heads: each rank holds one whole head
+    assert replica.page_bytes == PAGE_16KIB.page_bytes / 2  # tp4 on 2 heads: each rank holds one whole head
     cost.observe(nbytes=10_000_000, seconds=1.0)          # 10 MB/s seen by this rank
     cost.observe(nbytes=40_000_000, seconds=1.0)
     assert cost.offer() == 10_000 and cost.offer() == NOT_READY   # the slowest, offered once

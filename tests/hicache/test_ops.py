@@ -13,12 +13,10 @@ from hicache_async.hicache.ledger import Ledger, StepMessage
 from hicache_async.hicache.op_tracing import OpTracer
 from hicache_async.hicache.ops import CacheOp
 from hicache_async.kinds import TransferKind
-from hicache_async.layout import KVLayout
 from hicache_async.pools import DevicePool, HostPool, PageAllocator
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.copier import Copier
-
-LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=4, page_size=4)
+from tests.helpers.layouts import LAYOUT
 
 
 def _op(event):

@@ -12,14 +12,13 @@ from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.hicache.storage_tier import SLICE_PAGES
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.kinds import TransferKind
-from hicache_async.layout import KVLayout
 from hicache_async.pools import DevicePool, HostPool
 from hicache_async.request import Request
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
-from tests.hicache.test_storage_scheduling import SlowStorage
+from tests.helpers.fake_storages import SlowStorage
+from tests.helpers.layouts import LAYOUT
 
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
 LONG = 5 * SLICE_PAGES
 CONFIG = CacheConfig(device_pages=LONG + 8, host_pages=LONG + 8, page_size=4, prefetch_threshold=4,
                      storage_timeout_s=30)

@@ -1,6 +1,5 @@
 """No head-of-line blocking on the L3 workers: short ops are not held up behind long ones."""
 import contextlib
-import time
 
 import anyio
 
@@ -11,27 +10,12 @@ from hicache_async.hicache.ops import CacheOp
 from hicache_async.hicache.storage_tier import SLICE_PAGES, StorageTier
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.kinds import TransferKind
-from hicache_async.layout import KVLayout
 from hicache_async.pools import DevicePool, HostPool
-from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer.page_store import PageStore
+from tests.helpers.fake_storages import SlowStorage
+from tests.helpers.layouts import LAYOUT
 
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
 LONG = 5 * SLICE_PAGES
-
-
-class SlowStorage(MemoryStorage):
-    """Every object read or written takes a fixed time, like a backend limited by bandwidth."""
-
-    seconds_per_object = 0.0
-
-    def batch_set(self, keys, values):
-        time.sleep(self.seconds_per_object * len(keys))
-        return super().batch_set(keys, values)
-
-    def batch_get(self, keys, buffers):
-        time.sleep(self.seconds_per_object * len(keys))
-        return super().batch_get(keys, buffers)
 
 
 @contextlib.asynccontextmanager

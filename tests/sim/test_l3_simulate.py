@@ -7,7 +7,6 @@ from hicache_async.engine.tiny.model import ModelConfig
 from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.sim.jobs.simulate_rank import payload_of
 from hicache_async.sim.ranks.launcher import launch
-from tests.helpers.mooncake_fixture import mooncake_master  # noqa: F401 - fixture
 from tests.helpers.reference_kv import assert_like_reference, reference
 
 SPEC = WorkloadSpec(requests=24, turns=4, system_prompts=2, system_len=32, user_len=(8, 16),

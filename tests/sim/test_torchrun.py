@@ -127,19 +127,13 @@ def test_other_ranks_exit_with_rank_0s_code_and_print_nothing(tmp_path):
     assert bad[1].stdout == "" and our_lines(bad[1].stderr) == []
 
 
-def read_shipped(ctx) -> dict:
-    """A rank target: the file the payload names, as this rank sees it."""
-    with open(ctx.payload["file"]) as f:
-        return {"path": ctx.payload["file"], "text": f.read(), "seed": ctx.payload["seed"]}
-
-
 LEAD_SHIPPED = """
 import json, sys
-from hicache_async.sim import torchrun
+from hicache_async.sim.ranks import torchrun
 
 def job():
     scratch = sys.argv[1]
-    reports = torchrun.lead(tp=2, pp=1, cp=1, target="tests.sim.test_torchrun:read_shipped", run_id="t",
+    reports = torchrun.lead(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:read_shipped", run_id="t",
                             payload={"file": scratch + "/kv.json", "seed": 7}, timeout_s=30,
                             on_progress=lambda info: None, scratch=scratch)
     print(json.dumps(reports))

@@ -1,5 +1,4 @@
 """A storage that dies or hangs costs seconds: the deadline, the breaker, and a whole run on one."""
-import threading
 import time
 
 import pytest
@@ -11,51 +10,13 @@ from hicache_async.engine.tiny.model import ModelConfig, TinyModel
 from hicache_async.engine.tiny.workload import WorkloadSpec
 from hicache_async.errors import StorageError
 from hicache_async.hicache.plugin import HiCachePlugin
-from hicache_async.storage.base import call_abandoned
 from hicache_async.storage.guarded import GuardedStorage
 from hicache_async.storage.memory import MemoryStorage
 from tests.helpers.engine_run import run_cached
+from tests.helpers.fake_storages import DownStorage, HangingStorage
 from tests.helpers.reference_kv import reference
 
 FAST = CacheConfig(storage_timeout_s=0.3, storage_breaker_failures=2, storage_retry_s=0.2)
-
-
-class HangingStorage(MemoryStorage):
-    """Memory storage whose reads and writes block for good once `calls_left` runs out,
-    like a backend whose server stopped answering mid-run."""
-
-    def __init__(self, calls_left: int = 0) -> None:
-        super().__init__()
-        self.calls_left = calls_left
-        self.release = threading.Event()      # set at teardown, so no thread outlives the test
-        self.woke_abandoned = []
-
-    def _maybe_hang(self) -> None:
-        self.calls_left -= 1
-        if self.calls_left < 0:
-            self.release.wait(timeout=30)
-            self.woke_abandoned.append(call_abandoned())
-
-    def batch_set(self, keys, values):
-        self._maybe_hang()
-        return super().batch_set(keys, values)
-
-    def batch_get(self, keys, buffers):
-        self._maybe_hang()
-        return super().batch_get(keys, buffers)
-
-
-class DownStorage(MemoryStorage):
-    """Every call fails while `down` is set, at once, like a refused connection."""
-
-    down = True
-    calls = 0
-
-    def batch_exists(self, keys):
-        self.calls += 1
-        if self.down:
-            raise StorageError("connection refused")
-        return super().batch_exists(keys)
 
 
 def test_a_call_that_never_returns_is_an_error_after_the_deadline_and_is_told_so():

@@ -13,7 +13,6 @@ import pytest
 from hicache_async.errors import UsageError
 from hicache_async.telemetry.sdk import _otlp_exporter, setup_telemetry
 from hicache_async.telemetry.spans import request_context, step_context
-from tests.helpers.otlp_receiver import otlp_receiver  # noqa: F401 (fixture)
 
 RUN = "run-A"
 

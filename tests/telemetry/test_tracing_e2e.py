@@ -9,8 +9,6 @@ from collections import defaultdict
 from google.protobuf import json_format
 from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
-from tests.helpers.otlp_receiver import otlp_receiver  # noqa: F401 - fixture
-
 KINDS = ("write", "load", "backup", "prefetch")
 RANK_ATTRS = ("parallel.tp_rank", "parallel.tp_size", "parallel.pp_rank", "parallel.pp_size",
               "parallel.cp_rank", "parallel.cp_size")

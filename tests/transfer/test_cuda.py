@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from hicache_async.events import CudaEvent
-from hicache_async.layout import KVLayout
 from hicache_async.pools import DevicePool, HostPool
 from hicache_async.transfer.copier import Copier
+from tests.helpers.layouts import LAYOUT
 from tests.helpers.page_patterns import LAYOUTS, PATTERNS, assert_round_trip
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float16)
 
 
 def test_host_pool_is_pinned_and_copies_complete_on_cuda_events():

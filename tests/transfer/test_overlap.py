@@ -6,13 +6,11 @@ import pytest
 import torch
 
 from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer import checksums
 from hicache_async.transfer.page_store import PageStore
-
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=64, page_size=16)   # 16 KiB pages
+from tests.helpers.layouts import LAYOUT
 
 
 @pytest.fixture(params=[0, 2], ids=["inline", "pooled"])
@@ -65,7 +63,7 @@ def test_page_store_round_trip_is_the_same_either_way(workers):
     host = HostPool(LAYOUT, 8)
     host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(1)))
     store = PageStore(MemoryStorage(), LAYOUT, make_key_scheme("unified", LAYOUT, head_group=1))
-    hashes = page_hashes(range(8 * 16), 16)
+    hashes = page_hashes(range(8 * 4), 4)
     stored = store.backup(hashes, host, list(range(8)))
     assert stored.ok == [True] * 8 and stored.skipped == 0
     reader = HostPool(LAYOUT, 8)

@@ -4,14 +4,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hicache_async.errors import StorageError, UsageError
+from hicache_async.errors import UsageError
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.pools import HostPool
 from hicache_async.storage.file import FileStorage
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
-from tests.ground.test_keys import TOTAL_HEADS, TOTAL_LAYERS, grid, rank_layout
+from tests.helpers.fake_storages import DownStorage
+from tests.helpers.layouts import TOTAL_HEADS, TOTAL_LAYERS, grid, rank_layout
 
 PAGES = 5
 HASHES = page_hashes(range(PAGES * 4), 4)
@@ -145,26 +146,10 @@ def test_leading_run_dedupe_and_cancel():
         PageStore(MemoryStorage(), layout, store.keys, cp_mode="all")
 
 
-class FlakyStorage(MemoryStorage):
-    """Fails every call while `down` is set, like a backend whose server went away."""
-
-    down = False
-
-    def batch_get(self, keys, buffers):
-        if self.down:
-            raise StorageError("backend down")
-        return super().batch_get(keys, buffers)
-
-    def batch_set(self, keys, values):
-        if self.down:
-            raise StorageError("backend down")
-        return super().batch_set(keys, values)
-
-
 def test_storage_failure_is_counted_not_raised():
     layout = rank_layout(RankCoords())
     host = HostPool(layout, PAGES)
-    storage = FlakyStorage()
+    storage = DownStorage()
     store = PageStore(storage, layout, make_key_scheme("unified", layout, RankCoords()))
     storage.down = True
     backup = store.backup(HASHES, host, list(range(PAGES)))
