@@ -1,0 +1,272 @@
+"""Simulated ranks: real processes, their groups, awaitable waits, and failure handling."""
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_async.errors import HiCacheError, SyncTimeout, UsageError
+from hicache_async.parallel.dist_wait import wait_work
+from hicache_async.sim.ranks.launcher import launch
+from hicache_async.topology import RankCoords
+
+ROOT = Path(__file__).parents[2]   # where `tests.helpers` is importable
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def rank_children() -> list[int]:
+    """Live spawn children of this test process (the resource tracker is not a rank)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"spawn_main" in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_dead(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_single_rank_still_runs_in_a_process():
+    [result] = launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:report_groups",
+                      payload={"x": [1, 2]}, run_id="run-7")
+    assert result == {"rank": 0, "tp": None, "cp": None, "stage": None, "agree": None,
+                      "prev": None, "next": None, "last_root": 0, "first": True, "last": True,
+                      "tp_sum": 1, "run_id": "run-7", "payload": {"x": [1, 2]}}
+    assert rank_children() == []
+
+
+@pytest.mark.parametrize("tp,pp,cp,expected", [
+    (2, 2, 1, [  # ranks 0,1 are stage 0; 2,3 stage 1
+        dict(tp=[0, 1], cp=None, stage=[0, 1], agree=[0, 1], prev=None, next=2, last_root=2),
+        dict(tp=[0, 1], cp=None, stage=[0, 1], agree=[0, 1], prev=None, next=3, last_root=2),
+        dict(tp=[2, 3], cp=None, stage=[2, 3], agree=None, prev=0, next=None, last_root=2),
+        dict(tp=[2, 3], cp=None, stage=[2, 3], agree=None, prev=1, next=None, last_root=2),
+    ]),
+    (2, 1, 2, [  # rank = cp * 2 + tp, one stage
+        dict(tp=[0, 1], cp=[0, 2], stage=[0, 1, 2, 3], agree=[0, 1, 2, 3], prev=None, next=None,
+             last_root=0),
+        dict(tp=[0, 1], cp=[1, 3], stage=[0, 1, 2, 3], agree=[0, 1, 2, 3], prev=None, next=None,
+             last_root=0),
+        dict(tp=[2, 3], cp=[0, 2], stage=[0, 1, 2, 3], agree=[0, 1, 2, 3], prev=None, next=None,
+             last_root=0),
+        dict(tp=[2, 3], cp=[1, 3], stage=[0, 1, 2, 3], agree=[0, 1, 2, 3], prev=None, next=None,
+             last_root=0),
+    ]),
+])
+def test_groups_match_the_grid(tp, pp, cp, expected):
+    results = launch(tp=tp, pp=pp, cp=cp, target="tests.helpers.rank_targets:report_groups", payload={})
+    for rank, (got, want) in enumerate(zip(results, expected, strict=True)):
+        assert got["rank"] == rank
+        assert {k: got[k] for k in want} == want, f"rank {rank}"
+        assert got["first"] == (want["prev"] is None)
+        assert got["last"] == (want["next"] is None)
+        assert got["tp_sum"] == tp  # a real all_reduce over the tp group
+
+
+def test_killed_rank_is_named_and_the_others_stopped():
+    pids: dict[int, int] = {}
+    killed_at: list[float] = []
+
+    def on_progress(info: dict) -> None:
+        pids[info["rank"]] = info["pid"]
+        if info["rank"] == 1:
+            os.kill(info["pid"], signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    with pytest.raises(HiCacheError) as caught:
+        launch(tp=3, pp=1, cp=1, target="tests.helpers.rank_targets:all_reduce_until_killed", payload={},
+               timeout_s=30, on_progress=on_progress)
+    assert time.monotonic() - killed_at[0] < 20
+    assert str(caught.value) == "rank 1 (tp1 pp0 cp0) died without reporting (killed by SIGKILL)"
+    assert wait_until_dead(list(pids.values()), 1.0) == []
+    assert rank_children() == []
+
+
+def test_hanging_rank_times_out_the_others():
+    pids: list[int] = []
+    start = time.monotonic()
+    with pytest.raises(SyncTimeout) as caught:
+        launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:one_rank_hangs",
+               payload={"hang_rank": 1, "hang_s": 60}, timeout_s=2,
+               on_progress=lambda info: pids.append(info["pid"]))
+    assert time.monotonic() - start < 30
+    assert str(caught.value) == "rank 0 (tp0 pp0 cp0): hang-test all_reduce: not complete after 2 s"
+    assert len(pids) == 2 and wait_until_dead(pids, 1.0) == []
+    assert rank_children() == []
+
+
+def test_usage_error_keeps_its_type_and_message():
+    with pytest.raises(UsageError) as caught:
+        launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:one_rank_misconfigured",
+               payload={"bad_rank": 1}, timeout_s=30)
+    assert str(caught.value) == "rank 1 (tp1 pp0 cp0): --device-pages must be > 0, got 0"
+    assert rank_children() == []
+
+
+def test_bad_target_is_a_usage_error():
+    with pytest.raises(UsageError, match=r"rank target 'tests.helpers.rank_targets:nope' is not an importable"):
+        launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:nope", payload={})
+
+
+def test_foreign_error_becomes_hicache_error_naming_its_class():
+    with pytest.raises(HiCacheError) as caught:
+        launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:unserialisable_result", payload={})
+    assert type(caught.value) is HiCacheError
+    assert str(caught.value).startswith("rank 0 (tp0 pp0 cp0): TypeError: Object of type Tensor")
+
+
+def test_deadline_bounds_the_whole_run():
+    start = time.monotonic()
+    with pytest.raises(HiCacheError, match="deadline of 8 s"):
+        launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:sleep_forever", payload={}, deadline_s=8)
+    assert time.monotonic() - start < 15
+    assert rank_children() == []
+
+
+def test_awaited_all_reduce_costs_about_a_blocking_one():
+    results = launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:time_all_reduce",
+                     payload={"n": 300, "reps": 5})
+    timing = results[0]
+    print(f"1-element MIN all_reduce, 2 gloo ranks: {timing}")
+    # Loose: this machine's 2 cores are shared with other work; the report quotes real figures.
+    assert timing["awaited_us"] < 2 * timing["blocking_us"]
+
+
+LAUNCHER_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from hicache_async.sim.ranks.launcher import launch
+
+if __name__ == "__main__":
+    try:
+        launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:sleep_forever", payload={{}},
+               on_progress=lambda info: print("PID", info["pid"], flush=True))
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+"""
+
+
+def start_launcher(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """Run a launcher in its own session; return it once both ranks reported their pids."""
+    script = tmp_path / "launch_and_sleep.py"
+    script.write_text(textwrap.dedent(LAUNCHER_SCRIPT.format(root=str(ROOT))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    text = ""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 60
+        while text.count("\n") < 2 and sel.select(max(0.0, deadline - time.monotonic())):
+            chunk = os.read(proc.stdout.fileno(), 4096).decode()
+            if not chunk:
+                break
+            text += chunk
+    pids = [int(line.split()[1]) for line in text.splitlines()[:2]]
+    if len(pids) < 2:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"launcher did not start its ranks: {proc.communicate(timeout=10)}")
+    return proc, pids
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """A launcher subprocess with two sleeping ranks; its whole session is killed afterwards."""
+    proc, pids = start_launcher(tmp_path)
+    yield proc, pids
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def test_ctrl_c_stops_every_rank_quietly(launcher):
+    proc, pids = launcher
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)  # ranks leave Ctrl-C to the parent
+    time.sleep(0.5)
+    assert all(alive(pid) for pid in pids) and proc.poll() is None
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "interrupted" in out
+    assert "Traceback" not in err, err
+    assert wait_until_dead(pids, 1.0) == []
+
+
+def test_ranks_die_with_a_killed_parent(launcher):
+    proc, pids = launcher
+    proc.kill()  # no chance to clean up: only PR_SET_PDEATHSIG can stop the ranks
+    proc.wait(timeout=10)
+    assert wait_until_dead(pids, 10.0) == []
+
+
+class BlockingWork:
+    """A Work stand-in whose completion the test controls (gloo p2p style: never polled done)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release = threading.Event()
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> bool:
+        if not self.release.wait(10):
+            raise RuntimeError("test work never released")
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+COORDS = RankCoords.of(3, 2, 2, 1)
+
+
+async def test_wait_work_times_out_with_one_line_naming_rank_and_operation():
+    work = BlockingWork()
+    with pytest.raises(SyncTimeout) as caught:
+        await wait_work(work, what="pp_sync recv from rank 1", coords=COORDS, timeout_s=0.2)
+    work.release.set()
+    assert str(caught.value) == "rank 3 (tp1 pp1 cp0): pp_sync recv from rank 1: not complete after 0.2 s"
+
+
+async def test_wait_work_reports_a_failed_work_without_gloo_noise():
+    work = BlockingWork(RuntimeError("[gloo/pair.cc:553] Connection closed by peer\nmore"))
+    work.release.set()
+    with pytest.raises(HiCacheError) as caught:
+        await wait_work(work, what="agree all_reduce", coords=COORDS, timeout_s=5)
+    assert str(caught.value) == ("rank 3 (tp1 pp1 cp0): agree all_reduce failed: "
+                                 "Connection closed by peer")
+

@@ -1,0 +1,46 @@
+"""The CUDA path: copy streams, real torch.cuda.Events, pinned host memory. Skips without a GPU."""
+import asyncio
+
+import pytest
+import torch
+
+from hicache_async.events import CudaEvent
+from hicache_async.pools import DevicePool, HostPool
+from hicache_async.transfer.copier import Copier
+from tests.helpers.layouts import LAYOUT
+from tests.helpers.page_patterns import LAYOUTS, PATTERNS, assert_round_trip
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_host_pool_is_pinned_and_copies_complete_on_cuda_events():
+    device, host = DevicePool(LAYOUT, 16, device="cuda"), HostPool(LAYOUT, 16)
+    assert host.tensor.is_pinned()
+    device.tensor.normal_()
+    copier = Copier(device, host)
+    events = copier.write([3, 4, 9], [0, 1, 2])
+    assert len(events) == LAYOUT.num_layers and all(isinstance(e, CudaEvent) for e in events)
+    asyncio.run(events[-1].wait(10, "write"))
+    for d, h in ((3, 0), (4, 1), (9, 2)):
+        assert torch.equal(host.tensor[h], device.tensor[:, d].cpu())
+    events = copier.load([0, 1, 2], [10, 11, 12])
+    asyncio.run(events[-1].wait(10, "load"))
+    assert torch.equal(device.tensor[:, 10:13], device.tensor[:, [3, 4, 9]])
+
+
+def test_copy_stream_waits_for_compute_that_produced_the_kv():
+    device, host = DevicePool(LAYOUT, 4, device="cuda"), HostPool(LAYOUT, 4)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):                      # queue slow work on the compute stream first
+        a = a @ a / 64
+    device.tensor[:, 0].fill_(7)           # the value the copy must see
+    events = Copier(device, host).write([0], [0])
+    asyncio.run(events[-1].wait(30, "write"))
+    assert bool((host.tensor[0] == 7).all())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("pattern", PATTERNS.values(), ids=PATTERNS.keys())
+def test_pages_land_exactly_in_both_directions_on_cuda(pattern, layout):
+    """The kernels read and write the pinned host pool in place: every pattern, byte for byte."""
+    assert_round_trip(layout, *pattern, device="cuda")

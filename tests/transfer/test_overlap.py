@@ -1,0 +1,72 @@
+"""Checksum placement: inline (small machines) and pooled (spare cores) give the same objects."""
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.pools import HostPool
+from hicache_async.storage.memory import MemoryStorage
+from hicache_async.transfer import checksums
+from hicache_async.transfer.page_store import PageStore
+from tests.helpers.layouts import LAYOUT
+
+
+@pytest.fixture(params=[0, 2], ids=["inline", "pooled"])
+def workers(request, monkeypatch):
+    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", request.param)
+    monkeypatch.setattr(checksums, "GROUP_BYTES", 40)    # small groups: several per batch
+    monkeypatch.setattr(checksums, "HOT_BYTES", 40)
+    monkeypatch.setattr(checksums, "AHEAD_BYTES", 100)
+    return request.param
+
+
+def test_ahead_runs_each_group_once_before_its_items_are_used(workers):
+    done, lock = [], threading.Lock()
+
+    def work(group):
+        with lock:
+            done.append(group)
+
+    ahead = checksums.Ahead([10] * 20, work)     # groups of 4 items
+    for i in (0, 1, 5, 19):
+        ahead.wait(i)
+        assert any(i in g for g in done)
+    assert len(set(done)) == len(done)
+    assert ahead.used == [i in (0, 1, 5, 19) for i in range(20)]
+    # Inline, only the groups asked for; pooled, also up to AHEAD_BYTES beyond each one asked
+    # for: 8..12 with the first, 12..16 with item 5's.
+    ahead_of_first = [range(8, 12), range(12, 16)] if workers else []
+    deadline = time.monotonic() + 10
+    while len(done) < 3 + len(ahead_of_first) and time.monotonic() < deadline:
+        time.sleep(0.01)                       # work run ahead lands on the pool in its own time
+    assert sorted(done, key=lambda g: g.start) == [range(0, 4), range(4, 8), *ahead_of_first, range(16, 20)]
+
+
+def test_behind_takes_results_in_pieces_and_ignores_late_ones(workers):
+    behind = checksums.Behind([10] * 10, lambda group, got: (group, got))
+    behind.landed(0, [1, 2, 3])
+    behind.landed(3, [4, 5, 6, 7, 8])
+    outcomes = behind.finish([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert [got for _, got in outcomes] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    ran = []
+    failed = checksums.Behind([10] * 4, lambda group, got: ran.append(got))
+    failed.landed(0, [1, 2])
+    assert failed.finish(None) == []
+    failed.landed(2, [3, 4])                    # an abandoned call reporting late: ignored
+    time.sleep(0.05)                            # pooled work would have landed by now
+    assert ran == []
+
+
+def test_page_store_round_trip_is_the_same_either_way(workers):
+    host = HostPool(LAYOUT, 8)
+    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(1)))
+    store = PageStore(MemoryStorage(), LAYOUT, make_key_scheme("unified", LAYOUT, head_group=1))
+    hashes = page_hashes(range(8 * 4), 4)
+    stored = store.backup(hashes, host, list(range(8)))
+    assert stored.ok == [True] * 8 and stored.skipped == 0
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(hashes, reader, list(range(7, -1, -1)))
+    assert (got.pages, got.corrupt, got.missing) == (8, 0, 0)
+    assert torch.equal(reader.tensor.flip(0), host.tensor)
