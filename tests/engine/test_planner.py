@@ -17,7 +17,7 @@ from hicache_async.topology import RankCoords
 from hicache_async.sim.jobs.oracle import unbounded_oracle
 from hicache_async.sim.jobs.reusable import reusable_tokens
 
-TRACE = str(Path(__file__).parent / "data" / "short_trace.jsonl")
+TRACE = str(Path(__file__).parents[1] / "data" / "short_trace.jsonl")
 
 
 def _grid(tp: int, pp: int, cp: int):

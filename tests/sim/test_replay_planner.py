@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-TRACE = str(Path(__file__).parent / "data" / "short_trace.jsonl")
+TRACE = str(Path(__file__).parents[1] / "data" / "short_trace.jsonl")
 SMALL = ["--device-pages", "40", "--host-pages", "64", "--timeout", "60"]
 # Only these may differ between two replays of one trace with the same flags.
 WALL = {"seconds", "on_step_us_p50", "on_step_us_p99", "admission_us_p50", "admission_us_p99", "peak_rss_mb",
