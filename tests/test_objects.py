@@ -47,10 +47,19 @@ def test_intact_checks_every_header_byte_against_a_prefix_made_before_the_read()
     assert not intact(header, expected_prefix("k2", SPEC, "ns", len(PAYLOAD)), PAYLOAD)
     assert not intact(header, expected_prefix("k1", SPEC, "ns", len(PAYLOAD) + 1), PAYLOAD)
     assert not intact(header, prefix, PAYLOAD[:5] + b"\xff" + PAYLOAD[6:])
-    header[-1] = 1                             # the padding after the checksum
+    assert not intact(header, expected_prefix("k1", SPEC, "ns", len(PAYLOAD), b"tenant-2"), PAYLOAD)
+    header[-1] ^= 1                            # the checksum is the last field
     assert not intact(header, prefix, PAYLOAD)
-    with pytest.raises(CorruptObject, match="padding"):
+    with pytest.raises(CorruptObject, match="checksum"):
         verify("k1", SPEC, "ns", header, PAYLOAD)
+
+
+def test_an_object_of_another_tenant_is_corrupt():
+    header = encode_header("k1", SPEC, "ns", PAYLOAD, tenant=b"tenant-1")
+    verify("k1", SPEC, "ns", header, PAYLOAD, tenant=b"tenant-1")
+    for reader in (b"tenant-2", bytes(8)):
+        with pytest.raises(CorruptObject, match="tenant"):
+            verify("k1", SPEC, "ns", header, PAYLOAD, tenant=reader)
 
 
 def test_truncated_header_is_corrupt():

@@ -69,6 +69,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
                    help="if the storage is unreachable at start, warn and run on L1/L2 only")
+    p.add_argument("--storage-timeout", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
+                   default=CacheConfig.storage_timeout_s, metavar="SECONDS",
+                   help="a storage call still running after this is given up on: a storage error")
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
     p.add_argument("--json", metavar="PATH")
@@ -116,7 +119,8 @@ def _cache_config(ns: argparse.Namespace) -> CacheConfig:
                        write_policy=ns.write_policy, prefetch_policy=ns.prefetch_policy,
                        prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
                        cp_transfer=ns.cp_transfer, sync_timeout_s=ns.timeout,
-                       prefill_us_per_token=ns.prefill_us_per_token, l3_gbps=ns.l3_gbps)
+                       prefill_us_per_token=ns.prefill_us_per_token, l3_gbps=ns.l3_gbps,
+                       storage_timeout_s=ns.storage_timeout)
 
 
 def _run_args(ns: argparse.Namespace):

@@ -9,10 +9,11 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from importlib.metadata import entry_points
 from typing import ClassVar
 
-from ..errors import UsageError
+from ..errors import StorageError, UsageError
 
 ENTRY_POINT_GROUP = "hicache_async.storage"
 DEFAULT_STORAGE = "file"  # embedded: needs no server, and L3 outlives the run
@@ -39,6 +40,24 @@ def run_abandonable(abandoned: threading.Event, call: Callable[[], object]) -> o
         return call()
     finally:
         _call.abandoned = None
+
+
+class AbandonedCall(StorageError):
+    """The caller stopped waiting for a storage call that is still running.
+
+    Until it returns, the call may still write into the buffers it was given, whatever the
+    adapter's own checks of `call_abandoned`: a zero-copy backend's transfer already under
+    way cannot be recalled. So whoever owns those buffers keeps them from other data until
+    `when_returned` calls back.
+    """
+
+    def __init__(self, message: str, running: Future) -> None:
+        super().__init__(message)
+        self._running = running
+
+    def when_returned(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the call's thread, or here if it already returned) once the call has."""
+        self._running.add_done_callback(lambda _: callback())
 
 
 class StorageAdapter(ABC):
@@ -128,6 +147,8 @@ class StorageAdapter(ABC):
         for ps, buf, n, size in zip(parts, staging, got, sizes):
             if n >= 0 and n != size:
                 n = WRONG_SIZE
+            if call_abandoned():     # the caller has moved on: its buffers are not ours to fill
+                n = MISSING
             if n == size:
                 offset = 0
                 for p in ps:
