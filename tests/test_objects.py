@@ -87,6 +87,22 @@ def test_flipped_byte_is_a_miss_and_counted():
     assert (result.pages, result.corrupt, store.counters.corrupt_objects) == (0, 1, 1)
 
 
+def test_a_page_stored_for_one_tenant_is_a_counted_miss_for_any_other():
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+    host = HostPool(layout, 2)
+    host.tensor.copy_(torch.randn(host.tensor.shape))
+    store = PageStore(MemoryStorage(), layout, RankSuffixKeys(layout))
+    h = page_hashes(range(4), 4)
+    assert store.backup(h, host, [0], tenant=b"tenant-a").ok == [True]
+    for other in (b"tenant-b", bytes(8)):
+        got = store.prefetch(h, host, [1], tenant=other)
+        assert (got.pages, got.corrupt) == (0, 1)
+    assert store.prefetch(h, host, [1], tenant=b"tenant-a").pages == 1
+    assert torch.equal(host.tensor[1], host.tensor[0])
+    with pytest.raises(ValueError, match="8 bytes"):
+        store.prefetch(h, host, [1], tenant=b"short")
+
+
 def test_truncated_object_is_a_miss_and_counted():
     storage, store, host, h, key = _stored_page()
     storage._objects[key] = storage._objects[key][:-3]
