@@ -149,8 +149,8 @@ def test_staging_is_reused_and_a_quarantined_buffer_comes_back_only_when_its_cal
 
 def test_a_run_on_a_backend_whose_reads_outlive_their_deadline_keeps_every_page_right():
     """Every L3 read takes 0.5 s against a 0.3 s deadline: each is given up on and its bytes
-    land late, into staging quarantined until its call returns. The run still gives the reference's tokens and KV, counts the errors, and every
-    quarantined buffer comes back once its call has returned."""
+    land late, into staging quarantined until its call returns. The run still gives the
+    reference's tokens and KV, counts the errors, and every quarantined buffer comes back."""
     cfg = CacheConfig(device_pages=24, host_pages=40, page_size=8, prefetch_threshold=8,
                       storage_timeout_s=0.3, storage_retry_s=0.2)
     slow = SlowStorage(slow_read_s=0.5)
