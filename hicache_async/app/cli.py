@@ -69,6 +69,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
                    help="if the storage is unreachable at start, warn and run on L1/L2 only")
+    p.add_argument("--storage-secret-file", metavar="PATH",
+                   help="seal every stored object (AES-256-GCM) with a key derived from this file of at "
+                        "least 32 random bytes, readable by its owner only")
     p.add_argument("--storage-timeout", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
                    default=CacheConfig.storage_timeout_s, metavar="SECONDS",
                    help="a storage call still running after this is given up on: a storage error")
@@ -126,10 +129,14 @@ def _cache_config(ns: argparse.Namespace) -> CacheConfig:
 def _run_args(ns: argparse.Namespace):
     from ..sim.simulate import RunArgs
 
+    if ns.storage_secret_file:
+        from ..storage.sealed import load_key
+
+        load_key(ns.storage_secret_file)     # a bad secret file is one line here, before any rank
     return RunArgs(
         tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_options=storage_options(ns),
         l3_capacity=ns.l3_capacity, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
-        storage_optional=ns.storage_optional)
+        storage_optional=ns.storage_optional, storage_secret_file=ns.storage_secret_file)
 
 
 def _write_json(result, path: str | None) -> None:

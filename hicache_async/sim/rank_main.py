@@ -20,6 +20,7 @@ from ..parallel.agreement import LocalAgreement
 from ..parallel.pp_sync import PipelineAgreement
 from ..request import Request
 from ..storage.base import open_storage
+from ..storage.sealed import SealedStorage, load_key
 from ..telemetry.sdk import setup_telemetry
 from ..telemetry.trace_file import part_path
 
@@ -69,6 +70,8 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
     try:
+        if storage_spec and storage_spec.get("secret_file"):
+            storage = SealedStorage(storage, load_key(storage_spec["secret_file"]))
         agreement = (LocalAgreement() if ctx.coords.world_size == 1
                      else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
         plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,

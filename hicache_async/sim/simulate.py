@@ -26,7 +26,8 @@ from .rank_main import payload_of
 from .reference import reference_run
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
-STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")
+STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "forged_objects", "missing_objects", "l3_bytes_written",
+                  "l3_bytes_read")
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RunArgs:
     trace_file: str | None = None
     log_json: bool = False
     storage_optional: bool = False
+    storage_secret_file: str | None = None   # seal every stored object with the key derived from it
 
 
 def run(args: RunArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfig) -> dict:
@@ -94,6 +96,8 @@ def storage_spec(args: RunArgs, cold: bool = False):
     the run by the backend's own session (`StorageAdapter.open_session`). `cold`: the run
     wants an L3 that starts empty unless the backend's options name a shared one."""
     backend = None if args.storage == "none" else storage_backend(args.storage)
+    if args.storage_secret_file and backend is None:
+        raise UsageError(f"--storage-secret-file {args.storage_secret_file} needs a storage to seal")
     if args.l3_capacity is not None and not (backend and backend.takes_capacity):
         raise UsageError(f"--l3-capacity {args.l3_capacity}: the {args.storage} storage has no capacity "
                          f"to bound")
@@ -109,7 +113,10 @@ def storage_spec(args: RunArgs, cold: bool = False):
                 raise
             print(f"hicache-async: warning: {exc}; running on L1/L2 only (--storage-optional)", file=sys.stderr)
             options = None
-        yield None if options is None else {"name": args.storage, "options": options}
+        if options is None:
+            yield None
+        else:   # the secret's path, never the secret: each rank reads it itself
+            yield {"name": args.storage, "options": options, "secret_file": args.storage_secret_file}
 
 
 def summarize(args: RunArgs, attention: str, reports: list[dict], reference: dict, run_id: str,
@@ -131,7 +138,8 @@ def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float
     step_p50, step_p99 = p50_p99([us for r in reports for us in r["step_us"]])
     out = {
         "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-        "storage": args.storage, "storage_used": storage_used, "run_id": run_id,
+        "storage": args.storage, "storage_used": storage_used,
+        "storage_sealed": storage_used != "none" and args.storage_secret_file is not None, "run_id": run_id,
         "prompt_tokens": first["prompt_tokens"],
         **{k: first[k] for k in TOKEN_FIELDS},
         "ranks_agree": ranks_agree,
@@ -162,11 +170,13 @@ def print_summary(result: dict, file=None) -> None:
     file = file or sys.stdout
     tiers = result["tiers"]
     print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
-          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}", file=file)
+          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}"
+          + (" (sealed)" if result["storage_sealed"] else ""), file=file)
     print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
         f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
     print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}, corrupt objects "
-          f"{result['corrupt_objects']}, missing objects {result['missing_objects']}, L3 bytes written "
+          f"{result['corrupt_objects']}, forged objects {result['forged_objects']}, missing objects "
+          f"{result['missing_objects']}, L3 bytes written "
           f"{result['l3_bytes_written']}, read {result['l3_bytes_read']}", file=file)
     print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
           f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)

@@ -19,6 +19,7 @@ ENTRY_POINT_GROUP = "hicache_async.storage"
 DEFAULT_STORAGE = "file"  # embedded: needs no server, and L3 outlives the run
 MISSING = -1     # batch_get: the object is absent (or the read failed)
 WRONG_SIZE = -2  # batch_get: the object is present but its size differs from the buffer's
+FORGED = -3      # batch_get: the object is present but fails authentication (a sealed store)
 
 _call = threading.local()
 
@@ -120,11 +121,11 @@ class StorageAdapter(ABC):
                         ready: Callable[[int], None] | None = None) -> list[bool]:
         """Like batch_set, each object given as the concatenation of its parts.
 
-        `ready(i)`, when given, must be called before object i's first part is read, and only
-        for objects that will be transferred: the caller may still be filling that part (a
-        checksum header computed beside the transfer) and ready blocks until it is final; the
-        other parts are final from the start. An adapter that sees an object is already
-        stored may skip it, uncalled, as a success.
+        `ready(i)`, when given, must be called before any part of object i is read, and only
+        for objects that will be transferred: the caller may still be filling them (a checksum
+        header computed beside the transfer, a sealed body) and ready blocks until they are
+        final. An adapter that sees an object is already stored may skip it, uncalled, as a
+        success.
         """
         if ready is not None:
             for i in range(len(keys)):

@@ -129,14 +129,16 @@ class FileStorage(StorageAdapter):
         return out
 
     def _write(self, key: str, path: str, parts: list[memoryview], ready: Callable[[], None] | None) -> bool:
-        """Write the object to a temp file, then rename it into place.
+        """Write the object to a temp file in one `pwritev`, then rename it into place.
 
-        The parts after the first go first: by the time `ready` returns (the caller's header,
-        checksummed from the payload those writes just read), the payload is in cache.
+        `ready` first makes the parts final (the caller's header, checksummed from the payload,
+        which the write then reads from cache).
         """
         size = sum(p.nbytes for p in parts)
         if size > self.capacity_bytes:
             return False
+        if ready is not None:
+            ready()
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f"{self._temp_prefix}{next(self._temp_names)}.tmp")
         try:
@@ -145,10 +147,7 @@ class FileStorage(StorageAdapter):
                 self._dirs.add(folder)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                _write_at(fd, parts[1:], parts[0].nbytes)
-                if ready is not None:
-                    ready()
-                _write_at(fd, parts[:1], 0)
+                _write_at(fd, parts, 0)
             finally:
                 os.close(fd)
             os.replace(tmp, path)

@@ -36,7 +36,7 @@ from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
 from ..parallel.topology import RankCoords
 from ..partition import cp_page_slice
-from ..storage.base import MISSING, AbandonedCall, StorageAdapter
+from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter
 from ..storage.staging import StagingPool
 from . import faults
 from .checksums import Ahead, Behind
@@ -60,6 +60,7 @@ class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
     corrupt: int = 0      # objects that failed verification (treated as misses)
+    forged: int = 0       # objects that failed authentication in a sealed store (misses too)
     missing: int = 0      # objects absent from a page whose other objects were read
     errors: int = 0       # failed storage calls
 
@@ -69,6 +70,7 @@ class StoreCounters:
     """Cumulative over the store's life; updated under a lock, read freely."""
 
     corrupt_objects: int = 0
+    forged_objects: int = 0
     missing_objects: int = 0
     storage_errors: int = 0
     bytes_written: int = 0
@@ -221,7 +223,7 @@ class PageStore:
             result.pages += good
             if good < stop - start:
                 break
-        self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt,
+        self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt, forged_objects=result.forged,
                           missing_objects=result.missing, storage_errors=result.errors)
         return result
 
@@ -259,6 +261,7 @@ class PageStore:
             good_sizes += group_sizes
             if end is not None:
                 result.corrupt += end == "corrupt"
+                result.forged += end == "forged"
                 result.missing += end == "missing" and len(good_sizes) % per_page != 0
                 break
         good = len(good_sizes) // per_page
@@ -279,8 +282,8 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
     page, and what ended the group early (None: nothing)."""
     ok = []
     for i, n in zip(group, got):
-        if n == MISSING:
-            return ok, "missing"
+        if n in (MISSING, FORGED):
+            return ok, "missing" if n == MISSING else "forged"
         header, payload = parts[i]
         if n != sizes[i] or not intact(header, prefixes[i], payload):
             return ok, "corrupt"
