@@ -130,9 +130,9 @@ class GuardedStorage(StorageAdapter):
         return self._call("batch_get", lambda: self.inner.batch_get_parts(keys, parts, landed))
 
     def register_memory(self, view: memoryview) -> None:
-        """Under the deadline: pinning may need the backend (Mooncake publishes the memory to
-        its metadata server, which a hung master never answers)."""
-        self._bounded("register_memory", lambda: self.inner.register_memory(view))
+        """Guarded like a transfer: pinning may need the backend (Mooncake publishes the memory
+        to its metadata server, which a hung master never answers)."""
+        self._call("register_memory", lambda: self.inner.register_memory(view))
 
     def close(self) -> None:
         """Close the backend, under the deadline: a backend stuck in a call must not hang exit."""

@@ -104,15 +104,18 @@ class PageStore:
     # -- helpers -------------------------------------------------------------------------
 
     def _host_bytes(self, host: HostPool, pin: bool = False) -> memoryview:
-        """The host pool's bytes; with `pin`, registered with the adapter on first use (backups
+        """The host pool's bytes; with `pin`, registered with the adapter once it can be (backups
         read them in place; prefetches copy into them from staging, which is registered)."""
         ptr = host.tensor.data_ptr()
         with self._hosts_lock:
             if ptr not in self._hosts:
                 self._hosts[ptr] = (host.tensor, tensor_bytes(host.tensor).cast("B"))
             if pin and ptr not in self._pinned:
-                self.adapter.register_memory(self._hosts[ptr][1])
-                self._pinned.add(ptr)
+                try:
+                    self.adapter.register_memory(self._hosts[ptr][1])
+                    self._pinned.add(ptr)
+                except StorageError:    # unpinned memory still works, through the backend's copies
+                    pass                # and the next backup tries again
             return self._hosts[ptr][1]
 
     @staticmethod
