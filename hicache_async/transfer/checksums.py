@@ -110,8 +110,8 @@ def _outcome(future: Future | _Done, fn: Callable[[], T]) -> T:
 class _Fence:
     """Lets work touch a caller's pages only while the caller still waits for the call.
 
-    Work `enter`s before it starts and `leave`s when done; `close` (the caller gave up) waits
-    for work under way and turns away any later: whichever comes first wins.
+    Work goes through `run`; `close` (the caller gave up) waits for work under way and turns
+    away any later with a StorageError: whichever comes first wins.
     """
 
     def __init__(self) -> None:
