@@ -67,6 +67,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-transfer", choices=CP_MODES, default="split")
     p.add_argument("--storage-optional", action="store_true",
                    help="if the storage is unreachable at start, warn and run on L1/L2 only")
+    p.add_argument("--storage-secret-file", metavar="PATH",
+                   help="seal every stored object (AES-256-GCM) with a key derived from this file of at "
+                        "least 32 random bytes, readable by its owner only")
+    p.add_argument("--storage-timeout", type=_number(float, "a number > 0", lambda v: 0 < v < float("inf")),
+                   default=CacheConfig.storage_timeout_s, metavar="SECONDS",
+                   help="a storage call still running after this is given up on: a storage error")
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any cross-rank wait may take")
     p.add_argument("--json", metavar="PATH")
@@ -122,16 +128,20 @@ def _cache_config(ns: argparse.Namespace, prefill_us_per_token: float | None = N
                        prefetch_threshold=ns.prefetch_threshold, key_scheme=ns.key_scheme,
                        cp_transfer=ns.cp_transfer, sync_timeout_s=ns.timeout,
                        prefill_us_per_token=ns.prefill_us_per_token if prefill_us_per_token is None
-                       else prefill_us_per_token, l3_gbps=ns.l3_gbps)
+                       else prefill_us_per_token, l3_gbps=ns.l3_gbps, storage_timeout_s=ns.storage_timeout)
 
 
 def _run_args(ns: argparse.Namespace):
     from ..sim.jobs.harness import RunArgs
 
+    if ns.storage_secret_file:
+        from ..storage.sealed import load_key
+
+        load_key(ns.storage_secret_file)     # a bad secret file is one line here, before any rank
     return RunArgs(
         tp=ns.tp, pp=ns.pp, cp=ns.cp, storage=ns.storage, storage_options=storage_options(ns),
         l3_capacity=ns.l3_capacity, timeout_s=ns.timeout, trace_file=ns.trace_file, log_json=ns.log_json,
-        storage_optional=ns.storage_optional)
+        storage_optional=ns.storage_optional, storage_secret_file=ns.storage_secret_file)
 
 
 def _write_json(result, path: str | None) -> None:
@@ -157,8 +167,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
 def _replay(ns: argparse.Namespace) -> int:
     from ..engine.replay.workload import ReplaySpec
-    from ..sim.jobs import capacity
-    from ..sim.jobs import sweep_plot
+    from ..sim.jobs import capacity, sweep_plot
     from ..sim.jobs.replay import print_summary, run
 
     spec = ReplaySpec(trace=ns.trace, limit=ns.limit, seed=ns.seed, max_output=ns.max_output,

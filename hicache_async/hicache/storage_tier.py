@@ -25,6 +25,7 @@ from opentelemetry.trace import INVALID_SPAN
 from ..config import CacheConfig
 from ..errors import HiCacheError
 from ..events import HostEvent
+from ..keys import tenant_digest
 from ..kinds import TransferKind
 from ..transfer.page_store import PageStore
 from .cache import TieredCache
@@ -57,7 +58,8 @@ class StorageTier:
                            hashes=write.hashes, host_pages=write.host_pages)
             self.tree.lock_host(write.node)
             self.ledger.note("backup", write.node.id, write.pages)
-            self._start(op, self.store.backup, op.hashes, op.host_pages)
+            self._start(op, functools.partial(self.store.backup, tenant=tenant_digest(write.node.salt)),
+                        op.hashes, op.host_pages)
 
     def prefetch(self, request_id: int, parent: Node | None, tokens: list[int], first_page: int,
                  hashes: list[str], salt: str | None = None) -> StorageOp | None:
@@ -72,8 +74,8 @@ class StorageTier:
         op = StorageOp(TransferKind.PREFETCH, parent, [HostEvent()], n, n * self.host.layout.page_bytes,
                        request_id=request_id, hashes=hashes, host_pages=pages, tokens=tuple(tokens),
                        first_page=first_page, salt=salt, deadline=self.ledger.clock.now() + self._patience(n))
-        self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel), hashes[first_page:],
-                    pages, [request_id])
+        self._start(op, functools.partial(self.store.prefetch, cancel=op.cancel, tenant=tenant_digest(salt)),
+                    hashes[first_page:], pages, [request_id])
         return op
 
     def _start(self, op: StorageOp, call, hashes: list[str], host_pages: list[int],

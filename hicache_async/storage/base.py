@@ -9,15 +9,17 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from importlib.metadata import entry_points
 from typing import ClassVar
 
-from ..errors import UsageError
+from ..errors import StorageError, UsageError
 
 ENTRY_POINT_GROUP = "hicache_async.storage"
 DEFAULT_STORAGE = "file"  # embedded: needs no server, and L3 outlives the run
 MISSING = -1     # batch_get: the object is absent (or the read failed)
 WRONG_SIZE = -2  # batch_get: the object is present but its size differs from the buffer's
+FORGED = -3      # batch_get: the object is present but fails authentication (a sealed store)
 
 _call = threading.local()
 
@@ -39,6 +41,24 @@ def run_abandonable(abandoned: threading.Event, call: Callable[[], object]) -> o
         return call()
     finally:
         _call.abandoned = None
+
+
+class AbandonedCall(StorageError):
+    """The caller stopped waiting for a storage call that is still running.
+
+    Until it returns, the call may still write into the buffers it was given, whatever the
+    adapter's own checks of `call_abandoned`: a zero-copy backend's transfer already under
+    way cannot be recalled. So whoever owns those buffers keeps them from other data until
+    `when_returned` calls back.
+    """
+
+    def __init__(self, message: str, running: Future) -> None:
+        super().__init__(message)
+        self._running = running
+
+    def when_returned(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the call's thread, or here if it already returned) once the call has."""
+        self._running.add_done_callback(lambda _: callback())
 
 
 class StorageAdapter(ABC):
@@ -101,11 +121,11 @@ class StorageAdapter(ABC):
                         ready: Callable[[int], None] | None = None) -> list[bool]:
         """Like batch_set, each object given as the concatenation of its parts.
 
-        `ready(i)`, when given, must be called before object i's first part is read, and only
-        for objects that will be transferred: the caller may still be filling that part (a
-        checksum header computed beside the transfer) and ready blocks until it is final; the
-        other parts are final from the start. An adapter that sees an object is already
-        stored may skip it, uncalled, as a success.
+        `ready(i)`, when given, must be called before any part of object i is read, and only
+        for objects that will be transferred: the caller may still be filling them (a checksum
+        header computed beside the transfer, a sealed body) and ready blocks until they are
+        final. An adapter that sees an object is already stored may skip it, uncalled, as a
+        success.
         """
         if ready is not None:
             for i in range(len(keys)):
@@ -128,6 +148,8 @@ class StorageAdapter(ABC):
         for ps, buf, n, size in zip(parts, staging, got, sizes):
             if n >= 0 and n != size:
                 n = WRONG_SIZE
+            if call_abandoned():     # the caller has moved on: its buffers are not ours to fill
+                n = MISSING
             if n == size:
                 offset = 0
                 for p in ps:

@@ -2,7 +2,8 @@
 
 Writes go to a temp file that is renamed into place, so a reader sees a whole object or
 none. There is no fsync: a torn object after power loss fails its checksum and is a miss.
-Keys are content-addressed, so an object already stored is not written again. Recency is the
+Keys are content-addressed, so an object already stored is not written again. The store is
+private by default: directories it creates are 0700 and objects 0600. Recency is the
 file's mtime (bumped by a read when older than TOUCH_S), so eviction is least-recently-used
 across every process sharing the directory, not just this one. Each object is one `writev`
 or `readv` of all its parts, straight from and into the caller's buffers.
@@ -61,7 +62,7 @@ class FileStorage(StorageAdapter):
         self.root = Path(path).expanduser()
         self.capacity_bytes = capacity_bytes
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            file_session.make_private_dirs(str(self.root))
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot create directory: {e.strerror}") from None
         self._root = str(self.root)
@@ -128,26 +129,25 @@ class FileStorage(StorageAdapter):
         return out
 
     def _write(self, key: str, path: str, parts: list[memoryview], ready: Callable[[], None] | None) -> bool:
-        """Write the object to a temp file, then rename it into place.
+        """Write the object to a temp file in one `pwritev`, then rename it into place.
 
-        The parts after the first go first: by the time `ready` returns (the caller's header,
-        checksummed from the payload those writes just read), the payload is in cache.
+        `ready` first makes the parts final (the caller's header, checksummed from the payload,
+        which the write then reads from cache).
         """
         size = sum(p.nbytes for p in parts)
         if size > self.capacity_bytes:
             return False
+        if ready is not None:
+            ready()
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f"{self._temp_prefix}{next(self._temp_names)}.tmp")
         try:
             if folder not in self._dirs:
-                os.makedirs(folder, exist_ok=True)
+                file_session.make_private_dirs(folder)
                 self._dirs.add(folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                _write_at(fd, parts[1:], parts[0].nbytes)
-                if ready is not None:
-                    ready()
-                _write_at(fd, parts[:1], 0)
+                _write_at(fd, parts, 0)
             finally:
                 os.close(fd)
             os.replace(tmp, path)

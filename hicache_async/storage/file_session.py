@@ -1,5 +1,6 @@
 """Where a run's file storage lives: `--storage-path`, else a per-user cache directory that
-later runs share, or, for a run that wants a cold L3 (replay), a scratch directory it deletes."""
+later runs share, or, for a run that wants a cold L3 (replay), a scratch directory it deletes.
+Directories the store creates are its user's alone (0700): KV is what the prompts said."""
 from __future__ import annotations
 
 import contextlib
@@ -33,10 +34,23 @@ def open_session(options: dict, capacity_bytes: int | None, cold: bool, default_
             path = stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-l3-", dir=scratch))
         path = str(Path(path or default_storage_path()).expanduser())
         try:
-            os.makedirs(path, exist_ok=True)
+            make_private_dirs(path)
         except OSError as e:
             raise StorageError(f"file storage {path}: cannot create directory: {e.strerror}") from None
         yield {"path": path} if capacity_bytes is None else {"path": path, "capacity_bytes": capacity_bytes}
+
+
+def make_private_dirs(path: str) -> None:
+    """Create `path` and its missing parents, each readable by this user only (0700);
+    directories that exist are left as they are (a shared one is its owner's choice)."""
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        make_private_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def _scratch_dir(capacity: int) -> str | None:

@@ -5,9 +5,11 @@ Without it, a backend whose server died makes every call wait out the client's o
 for good. Two guards, around every backend:
 
 - a deadline: each call runs on a runner thread and the caller stops waiting after
-  `storage_timeout_s`, so a call that never returns becomes a StorageError. The abandoned
-  call keeps its thread (a daemon: it never blocks exit) and is told (`call_abandoned`),
-  so it writes nothing more into the caller's buffers, which may soon hold other data;
+  `storage_timeout_s`, so a call that never returns becomes a StorageError, an
+  `AbandonedCall` that says when the call really returns. The abandoned call keeps its
+  thread (a daemon: it never blocks exit) and is told (`call_abandoned`), so it starts
+  nothing more; what it already started may still land in the buffers it was given, which
+  their owner keeps from other data until then (`staging.py`);
 - a circuit breaker: after `storage_breaker_failures` consecutive failed calls, calls fail
   at once. Every `storage_retry_s` one of them starts a probe in the background (one cheap
   `batch_exists` under the same deadline) instead of going through itself, so no real
@@ -27,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from ..config import CacheConfig
 from ..daemon_threads import DaemonThreads
 from ..errors import StorageError
-from .base import StorageAdapter, run_abandonable
+from .base import AbandonedCall, StorageAdapter, run_abandonable
 
 log = logging.getLogger(__name__)
 PROBE_KEY = "hicache-async-probe"
@@ -69,8 +71,8 @@ class GuardedStorage(StorageAdapter):
             return future.result(self.timeout_s)
         except FutureTimeout:
             abandoned.set()
-            raise StorageError(f"storage {op} still running after {self.timeout_s:g} s; "
-                               f"given up on") from None
+            raise AbandonedCall(f"storage {op} still running after {self.timeout_s:g} s; given up on",
+                                future) from None
 
     def _admit(self) -> None:
         with self._lock:
@@ -128,8 +130,9 @@ class GuardedStorage(StorageAdapter):
         return self._call("batch_get", lambda: self.inner.batch_get_parts(keys, parts, landed))
 
     def register_memory(self, view: memoryview) -> None:
-        """Passed straight through: a one-time local pinning of the host pool, not a transfer."""
-        self.inner.register_memory(view)
+        """Guarded like a transfer: pinning may need the backend (Mooncake publishes the memory
+        to its metadata server, which a hung master never answers)."""
+        self._call("register_memory", lambda: self.inner.register_memory(view))
 
     def close(self) -> None:
         """Close the backend, under the deadline: a backend stuck in a call must not hang exit."""

@@ -14,17 +14,26 @@ copy threads already fill them: on the 2-vCPU reference VM a checksum thread bes
 measured slower, not faster, even calling XXH3 without the GIL (they share the memory
 bandwidth and, under load, one core), and so did splitting a Mooncake batch into several
 calls for it to overlap (each call costs a master round trip). There each object is
-checksummed on the transferring thread itself, as it is written (the file adapter writes
-the payload, then the header) or right after it is read, while it sits in that core's
-cache: XXH3 over 512 KiB costs ~12 us hot, ~37 us from memory.
+checksummed on the transferring thread itself, just before it is written (so the write
+reads it from cache) or right after it is read, while it sits in that core's cache: XXH3
+over 512 KiB costs ~12 us hot, ~37 us from memory.
+
+Either way the work runs beside a storage call that its caller may abandon (a deadline),
+while the call goes on. Work that reads or writes the caller's pages runs only while the
+caller still waits: `abandon` waits for work under way and stops any later work, atomically
+(a `_Fence`), so no header is made from pages handed to other KV, and no verified read is
+copied into them.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
+
+from ..errors import StorageError
 
 T = TypeVar("T")
 _CPUS = os.cpu_count() or 1
@@ -98,16 +107,48 @@ def _outcome(future: Future | _Done, fn: Callable[[], T]) -> T:
     return future.result()
 
 
+class _Fence:
+    """Lets work touch a caller's pages only while the caller still waits for the call.
+
+    Work goes through `run`; `close` (the caller gave up) waits for work under way and turns
+    away any later with a StorageError: whichever comes first wins.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self.closed = False
+
+    def run(self, work: Callable[..., T], *args) -> T:
+        with self._cond:
+            if self.closed:
+                raise StorageError("storage call abandoned: its pages are no longer its own")
+            self._active += 1
+        try:
+            return work(*args)
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.wait_for(lambda: self._active == 0)
+
+
 class Ahead:
     """`work(group)` for the groups of a batch, done before a consumer uses their items.
 
     The consumer calls `wait(i)` before it uses item i. Pooled work runs at most AHEAD_BYTES
     beyond the item asked for, so a consumer that skips items (already stored) wastes
-    little. `used[i]`: the consumer asked for item i.
+    little. `used[i]`: the consumer asked for item i. After `abandon`, `wait` raises
+    StorageError for any item whose work had not run.
     """
 
     def __init__(self, sizes: list[int], work: Callable[[range], None]) -> None:
-        self._work = work
+        self._fence = _Fence()
+        self._work = functools.partial(self._fence.run, work)
         self._groups = groups(sizes)
         self._bytes = [sum(sizes[j] for j in r) for r in self._groups]
         self._group_of = [g for g, r in enumerate(self._groups) for _ in r]
@@ -135,18 +176,24 @@ class Ahead:
         with self._lock:
             self._done[g] = True
 
+    def abandon(self) -> None:
+        """The consumer's caller gave up on it: no work starts from now on."""
+        self._fence.close()
+
 
 class Behind(Generic[T]):
     """`work(group, results)` for each group of a batch as soon as its items have landed.
 
-    `landed(start, results)` takes the adapter's per-item results in order. `finish(results)`
-    lands whatever the adapter did not report, stops accepting late reports (an abandoned
-    call may still make them), and returns every group's outcome in order once all have run:
-    when it returns, no work of this batch is still touching its buffers.
+    `landed(start, results)` takes the adapter's per-item results in order. `finish(results)`,
+    once the call returned, lands whatever the adapter did not report and returns every
+    group's outcome in order once all have run; `abandon()`, once the call failed or was
+    given up on, waits for work under way and starts no more. Either way, when it returns,
+    no work of this batch is still touching its buffers, and late reports are ignored.
     """
 
     def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T]) -> None:
-        self._work = work
+        self._fence = _Fence()
+        self._work = functools.partial(self._fence.run, work)
         self._groups = groups(sizes)
         self._got: list[int] = []
         self._futures: list[Future | _Done] = []
@@ -156,7 +203,7 @@ class Behind(Generic[T]):
 
     def landed(self, start: int, results: list[int]) -> None:
         with self._lock:
-            if self._closed or start != len(self._got):
+            if self._closed or self._fence.closed or start != len(self._got):
                 return
             self._got += results
             groups, futures, got = self._groups, self._futures, self._got
@@ -164,13 +211,15 @@ class Behind(Generic[T]):
                 group = groups[len(futures)]
                 futures.append(self._pool.submit(self._work, group, got[group.start:group.stop]))
 
-    def finish(self, results: list[int] | None) -> list[T]:
-        """Outcomes of the groups that landed; `results` None: the call failed, land nothing more."""
-        if results is not None:
-            self.landed(len(self._got), results[len(self._got):])
+    def finish(self, results: list[int]) -> list[T]:
+        """Every group's outcome, in order, for the call's `results`."""
+        self.landed(len(self._got), results[len(self._got):])
         with self._lock:
             self._closed = True
             futures = list(self._futures)
-        outcomes = [_outcome(f, lambda g=g: self._work(g, self._got[g.start:g.stop]))
-                    for f, g in zip(futures, self._groups)]
-        return outcomes if results is not None else []
+        return [_outcome(f, lambda g=g: self._work(g, self._got[g.start:g.stop]))
+                for f, g in zip(futures, self._groups)]
+
+    def abandon(self) -> None:
+        """The call failed or its caller gave up on it: no work starts from now on."""
+        self._fence.close()

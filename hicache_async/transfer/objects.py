@@ -1,13 +1,15 @@
 """The stored object: a fixed 64-byte header, then the raw KV payload bytes.
 
 The header lets a reader prove the bytes are what it asked for before they reach the cache:
-wrong namespace, wrong key (a misplaced object), wrong layer/head range, truncation or a
-flipped byte all become a miss, never wrong KV. No pickle: plain struct fields.
+wrong namespace, wrong tenant, wrong key (a misplaced object), wrong layer/head range,
+truncation or a flipped byte all become a miss, never wrong KV. No pickle: plain struct
+fields. The tenant is 8 bytes naming whose KV it is (zeros: no tenant).
 
 The payload checksum is XXH3-64 (`xxhash`): one pass over the bytes in place, ~14 GB/s a
 core from memory and ~40 GB/s from cache (the binding holds the GIL meanwhile), so verifying
 every read costs little beside the transfer it guards, most when done while the bytes are
-still in cache (`checksums.py`). Version 1 objects (a word-sum checksum) read as misses.
+still in cache (`checksums.py`). It is the header's last field, so everything before it is
+known before an object arrives. Objects of earlier versions read as misses.
 """
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from ..errors import HiCacheError
 from ..keys import ObjectSpec
 
 MAGIC = b"HKV\x00"
-VERSION = 2
-_HEADER = struct.Struct("<4sHH8s8sIIIIQQ8x")
+VERSION = 3
+NO_TENANT = bytes(8)
+_HEADER = struct.Struct("<4sHH8s8s8sIIIIQQ")
 HEADER_BYTES = _HEADER.size  # 64
-_PREFIX = struct.Struct("<4sHH8s8sIIIIQ")   # the fields before the checksum
-_PADDING = bytes(HEADER_BYTES - _PREFIX.size - 8)
+_PREFIX = struct.Struct("<4sHH8s8s8sIIIIQ")   # the fields before the checksum
 
 
 class CorruptObject(HiCacheError):
@@ -47,32 +49,32 @@ def checksum(payload) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def _fields(key: str, spec: ObjectSpec, namespace: str, length: int, digest: int) -> tuple:
-    return (MAGIC, VERSION, 0, _namespace8(namespace), _digest8(key), spec.layers.start,
+def _fields(key: str, spec: ObjectSpec, namespace: str, length: int, digest: int, tenant: bytes) -> tuple:
+    return (MAGIC, VERSION, 0, _namespace8(namespace), tenant, _digest8(key), spec.layers.start,
             spec.layers.stop - 1, spec.heads.start, spec.heads.stop - 1, length, digest)
 
 
-def encode_header(key: str, spec: ObjectSpec, namespace: str, payload) -> bytes:
+def encode_header(key: str, spec: ObjectSpec, namespace: str, payload, tenant: bytes = NO_TENANT) -> bytes:
     """Header for `payload` (any contiguous buffer) stored under `key`."""
     view = memoryview(payload).cast("B")
-    return _HEADER.pack(*_fields(key, spec, namespace, view.nbytes, checksum(view)))
+    return _HEADER.pack(*_fields(key, spec, namespace, view.nbytes, checksum(view), tenant))
 
 
-def expected_prefix(key: str, spec: ObjectSpec, namespace: str, length: int) -> bytes:
+def expected_prefix(key: str, spec: ObjectSpec, namespace: str, length: int, tenant: bytes = NO_TENANT) -> bytes:
     """The header bytes before the checksum that a `length`-byte payload under `key` must carry.
 
     Known before the object arrives: a reader packs them while its code is still in cache, so
     checking an object as it lands (`intact`) is one checksum and one compare.
     """
-    return _PREFIX.pack(*_fields(key, spec, namespace, length, 0)[:-1])
+    return _PREFIX.pack(*_fields(key, spec, namespace, length, 0, tenant)[:-1])
 
 
 def intact(header: memoryview, prefix: bytes, payload) -> bool:
-    """Whether the 64-byte `header` is `prefix`, the payload's checksum and zero padding."""
-    return header == prefix + checksum(payload).to_bytes(8, "little") + _PADDING
+    """Whether the 64-byte `header` is `prefix` then the payload's checksum."""
+    return header == prefix + checksum(payload).to_bytes(8, "little")
 
 
-def verify(key: str, spec: ObjectSpec, namespace: str, header, payload) -> None:
+def verify(key: str, spec: ObjectSpec, namespace: str, header, payload, tenant: bytes = NO_TENANT) -> None:
     """Raise CorruptObject naming the first field that does not match what the reader expects.
 
     The fast path is `intact`; only a mismatch unpacks the fields to say which one differs.
@@ -81,17 +83,15 @@ def verify(key: str, spec: ObjectSpec, namespace: str, header, payload) -> None:
     if header.nbytes < HEADER_BYTES:
         raise CorruptObject(f"object {key}: header truncated to {header.nbytes} bytes")
     payload = memoryview(payload).cast("B")
-    if intact(header[:HEADER_BYTES], expected_prefix(key, spec, namespace, payload.nbytes), payload):
+    if intact(header[:HEADER_BYTES], expected_prefix(key, spec, namespace, payload.nbytes, tenant), payload):
         return
-    want = _fields(key, spec, namespace, payload.nbytes, checksum(payload))
+    want = _fields(key, spec, namespace, payload.nbytes, checksum(payload), tenant)
     got = _HEADER.unpack(header[:HEADER_BYTES])
-    names = ("magic", "version", "flags", "namespace", "key digest", "first layer", "last layer",
+    names = ("magic", "version", "flags", "namespace", "tenant", "key digest", "first layer", "last layer",
              "first head", "last head")
     for name, field, expected in zip(names, got, want):
         if field != expected:
             raise CorruptObject(f"object {key}: {name} is {field!r}, expected {expected!r}")
     if got[-2] != payload.nbytes:
         raise CorruptObject(f"object {key}: payload is {payload.nbytes} bytes, header says {got[-2]}")
-    if got[-1] != want[-1]:
-        raise CorruptObject(f"object {key}: payload checksum mismatch")
-    raise CorruptObject(f"object {key}: header padding is not zero")
+    raise CorruptObject(f"object {key}: payload checksum mismatch")

@@ -16,6 +16,13 @@ behind its reads, while the bytes are in cache. A prefetch reads until the first
 adapter reports missing, and a backup lets the adapter skip objects it already holds; the one
 existence probe (`stored_run`) serves a replay, which must know before a prefetch what an
 earlier run left in L3.
+
+A storage call may outlive its caller's patience (`AbandonedCall`), and the host pages it
+was for are then freed and handed to other KV. So a prefetch never reads into host pages:
+each call reads into a staging buffer it owns (`staging.py`), and verified objects are
+copied into the host pages, while still in cache, only as long as the caller waits for the
+call. A backup makes no header after its caller gave up, so bytes it reads late from pages
+that moved on fail their checksum: a miss, never another page's KV under this key.
 """
 from __future__ import annotations
 
@@ -31,12 +38,14 @@ from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
 from ..partition import cp_page_slice
 from ..pools import HostPool, tensor_bytes
-from ..storage.base import MISSING, StorageAdapter
+from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter
+from ..storage.staging import StagingPool
 from ..topology import RankCoords
 from .checksums import Ahead, Behind
-from .objects import HEADER_BYTES, encode_header, expected_prefix, intact
+from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefix, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
+STAGING_BYTES = 32 << 20    # most bytes per prefetch call, unless one page is more: its staging
 
 
 @dataclass
@@ -52,6 +61,7 @@ class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
     corrupt: int = 0      # objects that failed verification (treated as misses)
+    forged: int = 0       # objects that failed authentication in a sealed store (misses too)
     missing: int = 0      # objects absent from a page whose other objects were read
     errors: int = 0       # failed storage calls
 
@@ -61,10 +71,12 @@ class StoreCounters:
     """Cumulative over the store's life; updated under a lock, read freely."""
 
     corrupt_objects: int = 0
+    forged_objects: int = 0
     missing_objects: int = 0
     storage_errors: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    quarantined_bytes: int = 0   # a gauge: staging held by abandoned calls not yet returned
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -83,20 +95,29 @@ class PageStore:
         self.fault = faults.injected()
         self.namespace = layout.namespace()
         self.counters = StoreCounters()
+        self.staging = StagingPool(adapter.register_memory,
+                                   lambda delta: self.counters.add(quarantined_bytes=delta))
         # host tensor and its bytes, by address; the tensor held so an address is never reused
-        self._registered: dict[int, tuple[torch.Tensor, memoryview]] = {}
-        self._register_lock = threading.Lock()
+        self._hosts: dict[int, tuple[torch.Tensor, memoryview]] = {}
+        self._pinned: set[int] = set()
+        self._hosts_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _register(self, host: HostPool) -> memoryview:
-        """The host pool's bytes, registered with the adapter on first use."""
-        with self._register_lock:
-            if host.tensor.data_ptr() not in self._registered:
-                view = tensor_bytes(host.tensor)
-                self.adapter.register_memory(view)
-                self._registered[host.tensor.data_ptr()] = (host.tensor, view)
-            return self._registered[host.tensor.data_ptr()][1]
+    def _host_bytes(self, host: HostPool, pin: bool = False) -> memoryview:
+        """The host pool's bytes; with `pin`, registered with the adapter once it can be (backups
+        read them in place; prefetches copy into them from staging, which is registered)."""
+        ptr = host.tensor.data_ptr()
+        with self._hosts_lock:
+            if ptr not in self._hosts:
+                self._hosts[ptr] = (host.tensor, tensor_bytes(host.tensor).cast("B"))
+            if pin and ptr not in self._pinned:
+                try:
+                    self.adapter.register_memory(self._hosts[ptr][1])
+                    self._pinned.add(ptr)
+                except StorageError:    # unpinned memory still works, through the backend's copies
+                    pass                # and the next backup tries again
+            return self._hosts[ptr][1]
 
     @staticmethod
     def _whole_page(host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | None:
@@ -112,6 +133,15 @@ class PageStore:
         l0, h0 = spec.layers.start - self.layout.first_layer, spec.heads.start - self.layout.first_head
         return host.tensor[page, l0:l0 + len(spec.layers), :, :, h0:h0 + len(spec.heads), :]
 
+    def _dest(self, host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | torch.Tensor:
+        """Where one object's payload goes in the host pool: its bytes when they are one run,
+        else the (strided) tensor view."""
+        whole = self._whole_page(host, pool, page, spec)
+        if whole is not None:
+            return whole
+        slot = self._slot(host, page, spec)
+        return tensor_bytes(slot).cast("B") if slot.is_contiguous() else slot
+
     def _write_pages(self, page_hashes: list[str]) -> range:
         """Indices of the pages this rank writes."""
         n, c = len(page_hashes), self.coords
@@ -123,15 +153,16 @@ class PageStore:
 
     # -- L2 -> L3 ------------------------------------------------------------------------
 
-    def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int]) -> BackupResult:
-        """Store the given host pages under their hashes; the adapter skips what it already holds."""
-        if len(page_hashes) != len(host_pages):
-            raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
+    def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int], *,
+               tenant: bytes = NO_TENANT) -> BackupResult:
+        """Store the given host pages under their hashes, as `tenant`'s (8 bytes); the adapter
+        skips what it already holds."""
+        _check_args(page_hashes, host_pages, tenant)
         result = BackupResult(ok=[True] * len(page_hashes))
         mine = self._write_pages(page_hashes)
         if not mine:
             return result
-        pool = self._register(host)
+        pool = self._host_bytes(host, pin=True)
         jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
         for i in mine:
             for spec in self.keys.objects(page_hashes[i]):
@@ -150,12 +181,15 @@ class PageStore:
 
         def encode(group: range) -> None:
             for j in group:
-                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, parts[j][1])
+                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, parts[j][1], tenant)
 
         ahead = Ahead([p[1].nbytes for p in parts], encode)
         try:
             stored = self.adapter.batch_set_parts([spec.key for spec, _ in jobs], parts, ready=ahead.wait)
-        except StorageError:
+        except StorageError as exc:
+            ahead.abandon()     # no header from now on: pages the call reads late fail their checksum
+            if isinstance(exc, AbandonedCall):
+                exc.when_returned(copies.clear)   # what the call may still read stays alive till then
             stored = [False] * len(jobs)
         written = set()
         for j, (i, ok) in enumerate(zip(owners, stored)):
@@ -185,54 +219,58 @@ class PageStore:
         return present // (len(keys) // len(page_hashes))
 
     def prefetch(self, page_hashes: list[str], host: HostPool, host_pages: list[int],
-                 cancel: threading.Event | None = None) -> PrefetchResult:
-        """Read the leading run of stored pages into `host_pages`; stop at the first gap or bad object."""
-        if len(page_hashes) != len(host_pages):
-            raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
+                 cancel: threading.Event | None = None, *, tenant: bytes = NO_TENANT) -> PrefetchResult:
+        """Read the leading run of stored pages, `tenant`'s (8 bytes), into `host_pages`; stop
+        at the first gap or bad object."""
+        _check_args(page_hashes, host_pages, tenant)
         result = PrefetchResult()
         if not page_hashes:
             return result
-        pool = self._register(host)
-        for start in range(0, len(page_hashes), PREFETCH_CHUNK_PAGES):
+        pool = self._host_bytes(host)
+        specs = [self.keys.objects(h) for h in page_hashes]
+        dests = [[self._dest(host, pool, page, spec) for spec in page_specs]
+                 for page, page_specs in zip(host_pages, specs)]
+        page_bytes = sum(HEADER_BYTES + d.nbytes for d in dests[0])
+        per_call = max(1, min(PREFETCH_CHUNK_PAGES, STAGING_BYTES // page_bytes))
+        for start in range(0, len(page_hashes), per_call):
             if cancel is not None and cancel.is_set():
                 break
-            stop = min(start + PREFETCH_CHUNK_PAGES, len(page_hashes))
-            specs = [self.keys.objects(h) for h in page_hashes[start:stop]]
-            good = self._read_chunk(specs, host, pool, host_pages[start:stop], result)
+            stop = min(start + per_call, len(page_hashes))
+            good = self._read_chunk(specs[start:stop], dests[start:stop], tenant, result)
             result.pages += good
             if good < stop - start:
                 break
-        self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt,
+        self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt, forged_objects=result.forged,
                           missing_objects=result.missing, storage_errors=result.errors)
         return result
 
-    def _read_chunk(self, specs: list[list[ObjectSpec]], host: HostPool, pool: memoryview,
-                    host_pages: list[int], result: PrefetchResult) -> int:
-        """Read a run of pages in one call, each object checked as it lands; the number of
-        leading good pages. What an object is checked against (its size, its header up to the
-        checksum) is worked out before the call, so what runs per object while the bytes stream
-        in, evicting everything else from cache, is one checksum and one compare."""
+    def _read_chunk(self, specs: list[list[ObjectSpec]], dests: list[list], tenant: bytes,
+                    result: PrefetchResult) -> int:
+        """Read a run of pages in one call into staging, each object checked and copied to its
+        host page as it lands; the number of leading good pages. What an object is checked
+        against (its size, its header up to the checksum) is worked out before the call, so
+        what runs per object while the bytes stream in, evicting everything else from cache,
+        is one checksum, one compare and one copy from cache."""
         per_page = len(specs[0])
-        headers = memoryview(bytearray(HEADER_BYTES * per_page * len(specs)))
-        keys, parts, staged, prefixes = [], [], [], []   # staged: (slot, staging) when read out of place
-        for page, page_specs in zip(host_pages, specs):
-            for spec in page_specs:
-                data, out_of_place = self._whole_page(host, pool, page, spec), None
-                if data is None:
-                    slot = self._slot(host, page, spec)
-                    target = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=slot.dtype)
-                    data, out_of_place = tensor_bytes(target), (slot, target) if target is not slot else None
-                at = HEADER_BYTES * len(keys)
-                keys.append(spec.key)
-                parts.append((headers[at:at + HEADER_BYTES], data))
-                staged.append(out_of_place)
-                prefixes.append(expected_prefix(spec.key, spec, self.namespace, data.nbytes))
-        sizes = [HEADER_BYTES + data.nbytes for _, data in parts]
-        behind = Behind(sizes, lambda group, got: _check(group, got, sizes, prefixes, parts, staged))
+        objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
+                   for spec, dest in zip(page_specs, page_dests)]
+        targets = [dest for _, dest in objects]
+        sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
+        prefixes = [expected_prefix(spec.key, spec, self.namespace, dest.nbytes, tenant) for spec, dest in objects]
         try:
-            outcomes = behind.finish(self.adapter.batch_get_parts(keys, parts, landed=behind.landed))
+            with self.staging.lease(sum(sizes)) as staging:
+                parts, at = [], 0
+                for n in sizes:
+                    parts.append((staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n]))
+                    at += n
+                behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets))
+                try:
+                    got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
+                except StorageError:
+                    behind.abandon()    # a copy under way ends, no other starts: the pages are freed next
+                    raise
+                outcomes = behind.finish(got)
         except StorageError:
-            behind.finish(None)   # nothing of this call may still write into the host pages
             result.errors += 1
             return 0
         good_sizes: list[int] = []  # bytes of each leading verified object
@@ -240,6 +278,7 @@ class PageStore:
             good_sizes += group_sizes
             if end is not None:
                 result.corrupt += end == "corrupt"
+                result.forged += end == "forged"
                 result.missing += end == "missing" and len(good_sizes) % per_page != 0
                 break
         good = len(good_sizes) // per_page
@@ -247,16 +286,27 @@ class PageStore:
         return good
 
 
-def _check(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[tuple],
-           staged: list) -> tuple[list[int], str | None]:
-    """Sizes of the leading intact objects of a group, and what ended it early (None: nothing)."""
+def _check_args(page_hashes: list[str], host_pages: list[int], tenant: bytes) -> None:
+    if len(page_hashes) != len(host_pages):
+        raise ValueError(f"{len(page_hashes)} page hashes for {len(host_pages)} host pages")
+    if len(tenant) != len(NO_TENANT):
+        raise ValueError(f"a tenant is {len(NO_TENANT)} bytes, got {len(tenant)}")
+
+
+def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[tuple],
+          targets: list) -> tuple[list[int], str | None]:
+    """Sizes of the leading intact objects of a group, each copied from staging to its host
+    page, and what ended the group early (None: nothing)."""
     ok = []
     for i, n in zip(group, got):
-        if n == MISSING:
-            return ok, "missing"
-        if n != sizes[i] or not intact(parts[i][0], prefixes[i], parts[i][1]):
+        if n in (MISSING, FORGED):
+            return ok, "missing" if n == MISSING else "forged"
+        header, payload = parts[i]
+        if n != sizes[i] or not intact(header, prefixes[i], payload):
             return ok, "corrupt"
-        if staged[i] is not None:
-            staged[i][0].copy_(staged[i][1])
+        if isinstance(targets[i], memoryview):
+            targets[i][:] = payload
+        else:
+            targets[i].copy_(torch.frombuffer(payload, dtype=targets[i].dtype).view(targets[i].shape))
         ok.append(n)
     return ok, None

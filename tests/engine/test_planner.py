@@ -13,9 +13,9 @@ from hicache_async.engine.replay.trace import TraceRequest, read_trace
 from hicache_async.engine.replay.workload import ReplaySpec
 from hicache_async.errors import UsageError
 from hicache_async.hicache.page_history import L3Look, Miss, PageHistory
-from hicache_async.topology import RankCoords
 from hicache_async.sim.jobs.oracle import unbounded_oracle
 from hicache_async.sim.jobs.reusable import reusable_tokens
+from hicache_async.topology import RankCoords
 
 TRACE = str(Path(__file__).parents[1] / "data" / "short_trace.jsonl")
 

@@ -9,6 +9,10 @@ from hicache_async.engine.tiny.workload import Workload, WorkloadSpec
 from hicache_async.hicache.plugin import HiCachePlugin
 from tests.helpers.reference_kv import reference
 
+# Pools small enough that KV comes back from L3: the workload of the L3 tests.
+L3_WORKLOAD = WorkloadSpec(requests=24, turns=4, system_prompts=2, system_len=32, user_len=(8, 16), max_new=4,
+                           concurrency=6)
+
 
 def run_cached(plugin: HiCachePlugin, spec: WorkloadSpec, model: ModelConfig,
                check: KVCheck | None = None) -> dict:

@@ -5,7 +5,15 @@ from hicache_async.keys import ObjectSpec, RankSuffixKeys, page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
 from hicache_async.storage.memory import MemoryStorage
-from hicache_async.transfer.objects import HEADER_BYTES, CorruptObject, checksum, encode_header, expected_prefix, intact, verify
+from hicache_async.transfer.objects import (
+    HEADER_BYTES,
+    CorruptObject,
+    checksum,
+    encode_header,
+    expected_prefix,
+    intact,
+    verify,
+)
 from hicache_async.transfer.page_store import PageStore
 
 SPEC = ObjectSpec("k1", range(0, 2), range(2, 4))
@@ -39,10 +47,19 @@ def test_intact_checks_every_header_byte_against_a_prefix_made_before_the_read()
     assert not intact(header, expected_prefix("k2", SPEC, "ns", len(PAYLOAD)), PAYLOAD)
     assert not intact(header, expected_prefix("k1", SPEC, "ns", len(PAYLOAD) + 1), PAYLOAD)
     assert not intact(header, prefix, PAYLOAD[:5] + b"\xff" + PAYLOAD[6:])
-    header[-1] = 1                             # the padding after the checksum
+    assert not intact(header, expected_prefix("k1", SPEC, "ns", len(PAYLOAD), b"tenant-2"), PAYLOAD)
+    header[-1] ^= 1                            # the checksum is the last field
     assert not intact(header, prefix, PAYLOAD)
-    with pytest.raises(CorruptObject, match="padding"):
+    with pytest.raises(CorruptObject, match="checksum"):
         verify("k1", SPEC, "ns", header, PAYLOAD)
+
+
+def test_an_object_of_another_tenant_is_corrupt():
+    header = encode_header("k1", SPEC, "ns", PAYLOAD, tenant=b"tenant-1")
+    verify("k1", SPEC, "ns", header, PAYLOAD, tenant=b"tenant-1")
+    for reader in (b"tenant-2", bytes(8)):
+        with pytest.raises(CorruptObject, match="tenant"):
+            verify("k1", SPEC, "ns", header, PAYLOAD, tenant=reader)
 
 
 def test_truncated_header_is_corrupt():
@@ -68,6 +85,22 @@ def test_flipped_byte_is_a_miss_and_counted():
     storage._objects[key] = bytes(blob)
     result = store.prefetch(h, host, [1])
     assert (result.pages, result.corrupt, store.counters.corrupt_objects) == (0, 1, 1)
+
+
+def test_a_page_stored_for_one_tenant_is_a_counted_miss_for_any_other():
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=4, page_size=4)
+    host = HostPool(layout, 2)
+    host.tensor.copy_(torch.randn(host.tensor.shape))
+    store = PageStore(MemoryStorage(), layout, RankSuffixKeys(layout))
+    h = page_hashes(range(4), 4)
+    assert store.backup(h, host, [0], tenant=b"tenant-a").ok == [True]
+    for other in (b"tenant-b", bytes(8)):
+        got = store.prefetch(h, host, [1], tenant=other)
+        assert (got.pages, got.corrupt) == (0, 1)
+    assert store.prefetch(h, host, [1], tenant=b"tenant-a").pages == 1
+    assert torch.equal(host.tensor[1], host.tensor[0])
+    with pytest.raises(ValueError, match="8 bytes"):
+        store.prefetch(h, host, [1], tenant=b"short")
 
 
 def test_truncated_object_is_a_miss_and_counted():

@@ -11,6 +11,10 @@ where it costs least (a file page hashed right beside its own read or write, whi
 Mooncake batch hashed before its put or after its get, one call being all there is): the most a
 store that verifies every byte can reach on this machine, beside the same baseline.
 
+Each `*_sealed_*` figure is the same store sealed (`SealedStorage`: AES-256-GCM, the header as
+associated data), beside the checksum-only store of the same run (the unsealed figure, itself
+beside raw I/O).
+
 Each figure is the best of a few repetitions, to keep a noisy 2-core machine from deciding
 it; the sides take turns, each repetition starting from the next one. File writes start from
 a synced page cache, so no side pays for another's dirty pages; the pages written are then
@@ -20,12 +24,14 @@ every repetition starts from the same page cache (on the reference VM, write thr
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...config import CacheConfig
 from ...errors import HiCacheError
@@ -35,6 +41,7 @@ from ...pools import HostPool, tensor_bytes
 from ...storage.base import StorageAdapter
 from ...storage.file import FileStorage
 from ...storage.guarded import GuardedStorage
+from ...storage.sealed import SealedStorage
 from ...storage.traced import TracedStorage
 from ...topology import RankCoords
 from ...transfer.objects import checksum
@@ -54,10 +61,15 @@ def _workload(pages: int, reps: int):
     return host, HostPool(LAYOUT, pages), batches
 
 
-def _store(adapter: StorageAdapter, name: str) -> PageStore:
-    """A PageStore over `adapter` wrapped as a rank wraps it."""
+def _store(adapter: StorageAdapter, name: str, sealed: bool = False) -> PageStore:
+    """A PageStore over `adapter` wrapped as a rank wraps it; sealed, under a random key and a
+    namespace of its own (so it finds none of the checksum-only store's objects)."""
+    layout = LAYOUT
+    if sealed:
+        adapter = SealedStorage(adapter, AESGCM(AESGCM.generate_key(256)))
+        layout = dataclasses.replace(LAYOUT, model_id=f"{LAYOUT.model_id}-sealed")
     guarded = GuardedStorage(adapter, CacheConfig())
-    return PageStore(TracedStorage(guarded, RankCoords(), name), LAYOUT, make_key_scheme("rank-suffix", LAYOUT))
+    return PageStore(TracedStorage(guarded, RankCoords(), name), layout, make_key_scheme("rank-suffix", layout))
 
 
 def _store_sides(store: PageStore, host: HostPool, reader: HostPool, batches, pages: int) -> tuple[Side, Side]:
@@ -102,7 +114,10 @@ def _figures(kind: str, backup: dict, prefetch: dict, raw_put: str, raw_get: str
     return [figure(f"{kind}_backup_gbps", backup["store"], "GB/s", raw_put, backup["raw"]),
             figure(f"{kind}_prefetch_gbps", prefetch["store"], "GB/s", raw_get, prefetch["raw"]),
             figure(f"{kind}_backup_xxh3_bound_gbps", backup["bound"], "GB/s", raw_put, backup["raw"]),
-            figure(f"{kind}_prefetch_xxh3_bound_gbps", prefetch["bound"], "GB/s", raw_get, prefetch["raw"])]
+            figure(f"{kind}_prefetch_xxh3_bound_gbps", prefetch["bound"], "GB/s", raw_get, prefetch["raw"]),
+            figure(f"{kind}_sealed_backup_gbps", backup["sealed"], "GB/s", f"{kind}_backup_gbps", backup["store"]),
+            figure(f"{kind}_sealed_prefetch_gbps", prefetch["sealed"], "GB/s", f"{kind}_prefetch_gbps",
+                   prefetch["store"])]
 
 
 def _age(root: str, remove: bool = False) -> None:
@@ -124,6 +139,8 @@ def _file_figures(pages: int, reps: int) -> list[dict]:
         os.mkdir(raw_dir)
         store_backup, store_prefetch = _store_sides(_store(FileStorage(os.path.join(root, "store")), "file"),
                                                     host, reader, batches, pages)
+        sealed_backup, sealed_prefetch = _store_sides(
+            _store(FileStorage(os.path.join(root, "sealed")), "file", sealed=True), host, reader, batches, pages)
         views = [host.page_bytes(p) for p in range(pages)]
         into = [reader.page_bytes(p) for p in range(pages)]
 
@@ -150,8 +167,10 @@ def _file_figures(pages: int, reps: int) -> list[dict]:
                     checksum(view)
 
         backup, prefetch = {}, {}
-        writes = {"store": store_backup, "raw": lambda r: put("raw", r, False), "bound": lambda r: put("bound", r, True)}
-        reads = {"store": store_prefetch, "raw": lambda r: get("raw", r, False), "bound": lambda r: get("bound", r, True)}
+        writes = {"store": store_backup, "raw": lambda r: put("raw", r, False), "bound": lambda r: put("bound", r, True),
+                  "sealed": sealed_backup}
+        reads = {"store": store_prefetch, "raw": lambda r: get("raw", r, False), "bound": lambda r: get("bound", r, True),
+                 "sealed": sealed_prefetch}
         for r in range(reps):
             _round(writes, r, nbytes, backup, settle=os.sync)
             _age(root)
@@ -172,6 +191,8 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
                                   buffer_bytes=32 << 20)
         try:
             store_backup, store_prefetch = _store_sides(_store(adapter, "mooncake"), host, reader, batches, pages)
+            sealed_store = _store(adapter, "mooncake", sealed=True)
+            sealed_backup, sealed_prefetch = _store_sides(sealed_store, host, reader, batches, pages)
             client = adapter._store  # the raw baseline drives the very same client
             ptrs = [host.page_ptr(p) for p in range(pages)]
             into = [reader.page_ptr(p) for p in range(pages)]
@@ -195,10 +216,10 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
             backup, prefetch = {}, {}
             for r in range(reps):
                 _round({"store": store_backup, "raw": lambda r: put("raw", r, False),
-                        "bound": lambda r: put("bound", r, True)}, r, nbytes, backup)
+                        "bound": lambda r: put("bound", r, True), "sealed": sealed_backup}, r, nbytes, backup)
             for r in range(reps):
                 _round({"store": store_prefetch, "raw": lambda r: get("raw", r, False),
-                        "bound": lambda r: get("bound", r, True)}, r, nbytes, prefetch)
+                        "bound": lambda r: get("bound", r, True), "sealed": sealed_prefetch}, r, nbytes, prefetch)
         finally:
             adapter.close()
     return _figures("mooncake", backup, prefetch, "raw_batch_put_from_gbps", "raw_batch_get_into_gbps")
@@ -218,5 +239,6 @@ def storage_figures(quick: bool = False) -> list[dict]:
         reason = f"mooncake unavailable: {e}"
         for op, raw in (("backup", "raw_batch_put_from_gbps"), ("prefetch", "raw_batch_get_into_gbps")):
             figures += [skipped(f"mooncake_{op}_gbps", "GB/s", raw, reason),
-                        skipped(f"mooncake_{op}_xxh3_bound_gbps", "GB/s", raw, reason)]
+                        skipped(f"mooncake_{op}_xxh3_bound_gbps", "GB/s", raw, reason),
+                        skipped(f"mooncake_sealed_{op}_gbps", "GB/s", f"mooncake_{op}_gbps", reason)]
     return figures

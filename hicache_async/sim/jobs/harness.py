@@ -23,13 +23,15 @@ from ...parallel.agreement import LocalAgreement
 from ...parallel.pp_sync import PipelineAgreement
 from ...request import Request
 from ...storage.base import DEFAULT_STORAGE, open_storage, storage_backend
+from ...storage.sealed import SealedStorage, load_key
 from ...telemetry.sdk import setup_telemetry
 from ...telemetry.trace_file import merge_trace_files, part_path
 from ..ranks import torchrun
 from ..ranks.launcher import launch
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
-STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "missing_objects", "l3_bytes_written", "l3_bytes_read")
+STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "forged_objects", "missing_objects", "l3_bytes_written",
+                  "l3_bytes_read")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class RunArgs:
     trace_file: str | None = None
     log_json: bool = False
     storage_optional: bool = False
+    storage_secret_file: str | None = None   # seal every stored object with the key derived from it
 
 
 def launch_ranks(args: RunArgs, target: str, payload: dict, requests: int, job: str,
@@ -77,6 +80,8 @@ def storage_spec(args: RunArgs, cold: bool = False):
     the run by the backend's own session (`StorageAdapter.open_session`). `cold`: the run
     wants an L3 that starts empty unless the backend's options name a shared one."""
     backend = None if args.storage == "none" else storage_backend(args.storage)
+    if args.storage_secret_file and backend is None:
+        raise UsageError(f"--storage-secret-file {args.storage_secret_file} needs a storage to seal")
     if args.l3_capacity is not None and not (backend and backend.takes_capacity):
         raise UsageError(f"--l3-capacity {args.l3_capacity}: the {args.storage} storage has no capacity "
                          f"to bound")
@@ -92,7 +97,10 @@ def storage_spec(args: RunArgs, cold: bool = False):
                 raise
             print(f"hicache-async: warning: {exc}; running on L1/L2 only (--storage-optional)", file=sys.stderr)
             options = None
-        yield None if options is None else {"name": args.storage, "options": options}
+        if options is None:
+            yield None
+        else:   # the secret's path, never the secret: each rank reads it itself
+            yield {"name": args.storage, "options": options, "secret_file": args.storage_secret_file}
 
 
 def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float, storage_used: str) -> dict:
@@ -106,7 +114,8 @@ def rank_figures(args: RunArgs, reports: list[dict], run_id: str, seconds: float
     step_p50, step_p99 = p50_p99([us for r in reports for us in r["step_us"]])
     out = {
         "world_size": args.tp * args.pp * args.cp, "tp": args.tp, "pp": args.pp, "cp": args.cp,
-        "storage": args.storage, "storage_used": storage_used, "run_id": run_id,
+        "storage": args.storage, "storage_used": storage_used,
+        "storage_sealed": storage_used != "none" and args.storage_secret_file is not None, "run_id": run_id,
         "prompt_tokens": first["prompt_tokens"],
         **{k: first[k] for k in TOKEN_FIELDS},
         "ranks_agree": ranks_agree,
@@ -153,6 +162,8 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
     storage_spec = ctx.payload.get("storage")
     storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
     try:
+        if storage_spec and storage_spec.get("secret_file"):
+            storage = SealedStorage(storage, load_key(storage_spec["secret_file"]))
         agreement = (LocalAgreement() if ctx.coords.world_size == 1
                      else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
         plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,

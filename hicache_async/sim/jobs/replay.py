@@ -105,7 +105,8 @@ def print_summary(result: dict, file=None) -> None:
     prompt = max(1, result["prompt_tokens"])
     print(f"hicache-async replay {os.path.basename(result['trace'])}: {result['requests']} requests, "
           f"world {result['world_size']} (tp{result['tp']} pp{result['pp']} cp{result['cp']}), storage "
-          f"{result['storage_used']}, pages of {result['page_size']} tokens ({result['page_bytes']} B a rank)",
+          f"{result['storage_used']}{' (sealed)' if result['storage_sealed'] else ''}, pages of "
+          f"{result['page_size']} tokens ({result['page_bytes']} B a rank)",
           file=file)
     print(f"  {'tier':<12}{'tokens':>14}{'share':>9}", file=file)
     for key, name in TIER_NAMES:
@@ -119,7 +120,8 @@ def print_summary(result: dict, file=None) -> None:
     print(f"  KV verified: {result['kv_verified_pages']:,} pages, {result['kv_mismatches']} mismatches; "
           f"ranks agree: {'yes' if result['ranks_agree'] else 'NO'}", file=file)
     print(f"  pools: device {result['device_pages']} pages, host {result['host_pages']} pages; storage errors "
-          f"{result['storage_errors']}, corrupt objects {result['corrupt_objects']}, missing objects "
+          f"{result['storage_errors']}, corrupt objects {result['corrupt_objects']}, forged objects "
+          f"{result['forged_objects']}, missing objects "
           f"{result['missing_objects']}, L3 written {result['l3_bytes_written'] / 2**20:,.1f} MiB, "
           f"read {result['l3_bytes_read'] / 2**20:,.1f} MiB", file=file)
     print(f"  admission p50 {result['admission_us_p50']} us, p99 {result['admission_us_p99']} us; on_step "

@@ -51,12 +51,13 @@ def print_summary(result: dict, file=None) -> None:
     file = file or sys.stdout
     tiers = result["tiers"]
     print(f"hicache-async simulate: world {result['world_size']} (tp{result['tp']} pp{result['pp']} "
-          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}, "
-          f"{result['tenants']} tenant{'s' if result['tenants'] > 1 else ''}", file=file)
+          f"cp{result['cp']}), {result['attention']}, storage {result['storage']}"
+          + (" (sealed)" if result["storage_sealed"] else ""), file=file)
     print(f"  requests {result['requests']}, prompt tokens {result['prompt_tokens']}: " + ", ".join(
         f"{name} {t['tokens']} ({t['share']:.0%})" for name, t in tiers.items()), file=file)
     print(f"  transfers {result['transfers']}, storage errors {result['storage_errors']}, corrupt objects "
-          f"{result['corrupt_objects']}, missing objects {result['missing_objects']}, L3 bytes written "
+          f"{result['corrupt_objects']}, forged objects {result['forged_objects']}, missing objects "
+          f"{result['missing_objects']}, L3 bytes written "
           f"{result['l3_bytes_written']}, read {result['l3_bytes_read']}", file=file)
     print(f"  steps {result['steps']}, on_step p50 {result['on_step_us_p50']} us, "
           f"p99 {result['on_step_us_p99']} us, {result['seconds']} s", file=file)

@@ -1,0 +1,54 @@
+"""A third party's backend, written as one would: the contract's abstract methods only, so
+reads go through its default `batch_get_parts`, and `batch_get` writes into the buffers it
+was given whether or not anyone still waits (it never asks `call_abandoned`). Every read
+takes `slow_read_s`; one that ends after its caller gave up is noted (`late_reads`, the
+bytes it wrote in `late_bytes`, and a line in `slow_log`), so a test can tell the late
+writes really happened."""
+import time
+
+from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
+
+
+class SlowReads(StorageAdapter):
+    @classmethod
+    def add_options(cls, group):
+        group.add_argument("--slow-read-s", type=float, default=0.5, help="seconds every read takes")
+        group.add_argument("--slow-log", metavar="PATH", help="a line here for each read that ends late")
+
+    def __init__(self, slow_read_s: float = 0.5, slow_log: str | None = None, **_options) -> None:
+        self.read_s, self.log = slow_read_s, slow_log
+        self.objects: dict[str, bytes] = {}
+        self.late_reads = self.late_bytes = 0
+        self.on_late = lambda: None       # a test's probe, called as a late read ends
+
+    def batch_exists(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.objects:
+            n += 1
+        return n
+
+    def batch_set(self, keys, values):
+        self.objects.update((k, bytes(v)) for k, v in zip(keys, values))
+        return [True] * len(keys)
+
+    def batch_get(self, keys, buffers):
+        time.sleep(self.read_s)
+        out = []
+        for key, buf in zip(keys, buffers):
+            blob = self.objects.get(key)
+            if blob is None or len(blob) > buf.nbytes:
+                out.append(MISSING if blob is None else WRONG_SIZE)
+                continue
+            memoryview(buf).cast("B")[:len(blob)] = blob
+            out.append(len(blob))
+        if call_abandoned():
+            self.late_reads += 1
+            self.late_bytes += sum(n for n in out if n > 0)
+            self.on_late()
+            if self.log:
+                with open(self.log, "a") as f:
+                    f.write(f"{sum(n for n in out if n > 0)} bytes read late\n")
+        return out
+
+    def close(self):
+        pass

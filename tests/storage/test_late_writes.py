@@ -1,0 +1,185 @@
+"""No late writes: a storage call given up on (its deadline passed) may still write its bytes
+long after, and they must never land in host pages that were freed and handed to other KV.
+
+Reads land in staging the call owns; a buffer whose call was abandoned is quarantined until
+the call really returns, then goes back to the pool. A backup makes no header after its
+caller gave up. All of it against a third party's backend that implements only the abstract
+methods (`tests/helpers/slow_backend.py`), in process and installed for a real `simulate`."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache_async.config import CacheConfig
+from hicache_async.engine.tiny.model import ModelConfig
+from hicache_async.errors import StorageError
+from hicache_async.hicache.plugin import HiCachePlugin
+from hicache_async.keys import make_key_scheme, page_hashes
+from hicache_async.layout import KVLayout
+from hicache_async.pools import HostPool
+from hicache_async.storage.guarded import GuardedStorage
+from hicache_async.storage.staging import StagingPool
+from hicache_async.transfer import checksums
+from hicache_async.transfer.page_store import PageStore
+from tests.helpers.engine_run import L3_WORKLOAD, assert_matches_reference
+from tests.helpers.slow_backend import SlowReads
+
+LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
+KEYS = make_key_scheme("rank-suffix", LAYOUT)
+HASHES = page_hashes(range(8 * 4), 4)
+FAST = CacheConfig(storage_timeout_s=0.3)
+
+
+def _host(seed: int = 0) -> HostPool:
+    host = HostPool(LAYOUT, 8)
+    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return host
+
+
+def _until(done, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def test_a_read_given_up_on_lands_in_quarantined_staging_never_in_the_host_pages():
+    slow = SlowReads(slow_read_s=0.5)
+    host = _host()
+    assert PageStore(slow, LAYOUT, KEYS).backup(HASHES, host, list(range(8))).ok == [True] * 8
+    store = PageStore(GuardedStorage(slow, FAST), LAYOUT, KEYS)
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(HASHES, reader, list(range(8)))
+    assert (got.pages, got.errors, store.counters.storage_errors) == (0, 1, 1)
+    held = store.counters.quarantined_bytes
+    assert held >= 8 * LAYOUT.page_bytes          # the call still runs: its buffer is out of the pool
+    _until(lambda: slow.late_reads == 1 and store.counters.quarantined_bytes == 0, "the late read's return")
+    assert torch.count_nonzero(reader.tensor) == 0  # its bytes never reached the pages it was for
+    slow.read_s = 0.0                                # the quarantined buffer serves the next read
+    got = store.prefetch(HASHES, reader, list(range(8)))
+    assert got.pages == 8 and torch.equal(reader.tensor, host.tensor)
+    assert store.staging.buffer_bytes == held and store.staging.quarantined_bytes == 0
+
+
+class SlowWrites(SlowReads):
+    """Writes start only after the caller's deadline (the contract's default parts path then
+    asks for each header and joins the parts, reading the host pages)."""
+
+    def batch_set_parts(self, keys, parts, ready=None):
+        time.sleep(0.5)
+        return super().batch_set_parts(keys, parts, ready)
+
+
+def test_a_backup_given_up_on_makes_no_header_from_pages_that_moved_on():
+    slow = SlowWrites(slow_read_s=0.0)
+    host = _host(seed=1)
+    stored = PageStore(GuardedStorage(slow, FAST), LAYOUT, KEYS).backup(HASHES, host, list(range(8)))
+    assert stored.errors == 8
+    host.tensor.copy_(_host(seed=2).tensor)         # the freed pages now hold other KV
+    time.sleep(0.6)                                  # the late write has run
+    got = PageStore(slow, LAYOUT, KEYS).prefetch(HASHES, HostPool(LAYOUT, 8), list(range(8)))
+    assert got.pages == 0                            # nothing stored under the old keys
+    assert not slow.objects
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "pooled"])
+def test_abandon_waits_for_a_copy_under_way_and_none_starts_after(workers, monkeypatch):
+    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", workers)
+    monkeypatch.setattr(checksums, "GROUP_BYTES", 10)     # one item a group
+    monkeypatch.setattr(checksums, "HOT_BYTES", 10)
+    started, release, copied = threading.Event(), threading.Event(), []
+
+    def copy(group, got):
+        started.set()
+        release.wait(5)
+        copied.append(group.start)
+
+    behind = checksums.Behind([10] * 3, copy)
+    threading.Thread(target=behind.landed, args=(0, [10])).start()   # the adapter's thread
+    assert started.wait(5)
+    abandoning = threading.Thread(target=behind.abandon)
+    abandoning.start()
+    abandoning.join(0.2)
+    assert abandoning.is_alive()                     # the copy under way won the race: awaited
+    release.set()
+    abandoning.join(5)
+    assert not abandoning.is_alive()
+    behind.landed(1, [10, 10])                       # the abandoned call reports late
+    time.sleep(0.05)
+    assert copied == [0]
+
+    ahead = checksums.Ahead([10] * 3, lambda group: None)
+    ahead.wait(0)
+    ahead.abandon()
+    with pytest.raises(StorageError, match="abandoned"):
+        ahead.wait(2)
+
+
+def test_staging_is_reused_and_a_quarantined_buffer_comes_back_only_when_its_call_returns():
+    from concurrent.futures import Future
+
+    from hicache_async.storage.base import AbandonedCall
+
+    registered, gauge = [], []
+    pool = StagingPool(registered.append, gauge.append)
+    with pool.lease(100) as first:
+        first[:3] = b"abc"
+    with pool.lease(50) as again:
+        assert again.obj is first.obj                # the free buffer serves a smaller lease
+    running = Future()
+    with pytest.raises(AbandonedCall):
+        with pool.lease(100) as stuck:
+            raise AbandonedCall("given up on", running)
+    with pool.lease(100) as other:
+        assert other.obj is not stuck.obj            # quarantined: not handed out
+    assert (pool.quarantined_bytes, gauge) == (len(stuck.obj), [len(stuck.obj)])
+    running.set_result(None)                         # the call returns
+    assert pool.quarantined_bytes == 0 and gauge == [len(stuck.obj), -len(stuck.obj)]
+    assert len(registered) == 2 and pool.buffer_bytes == 2 * len(stuck.obj)
+
+
+def test_a_run_on_a_backend_whose_reads_outlive_their_deadline_keeps_every_page_right():
+    """Every L3 read takes 0.5 s against a 0.3 s deadline: each is given up on and its bytes
+    land late, into staging quarantined until its call returns. The run still gives the
+    reference's tokens and KV, counts the errors, and every quarantined buffer comes back."""
+    cfg = CacheConfig(device_pages=24, host_pages=40, page_size=8, prefetch_threshold=8,
+                      storage_timeout_s=0.3, storage_retry_s=0.2)
+    slow = SlowReads(slow_read_s=0.5)
+    plugin = HiCachePlugin(cfg, storage=slow, storage_name="slow")
+    held_when_late = []
+    slow.on_late = lambda: held_when_late.append(plugin.l3.store.counters.quarantined_bytes)
+    report = assert_matches_reference(plugin, L3_WORKLOAD, ModelConfig())
+    assert report["storage_errors"] > 0 and report["tokens_from_l3"] == 0, report
+    _until(lambda: slow.late_bytes > 0 and plugin.l3.store.counters.quarantined_bytes == 0,
+           "every late read's return")
+    assert len(held_when_late) == slow.late_reads and all(held_when_late)   # quarantined meanwhile
+
+
+ENTRY_POINTS = "[hicache_async.storage]\nslow = tests.helpers.slow_backend:SlowReads\n"
+
+
+def test_simulate_on_an_installed_slow_backend_matches_the_reference(tmp_path):
+    info = tmp_path / "slow_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slow-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), repo,
+                                                                      os.environ.get("PYTHONPATH")]))}
+    log, out = tmp_path / "late.log", tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "hicache_async", "simulate", "--storage", "slow", "--slow-log", str(log),
+         "--storage-timeout", "0.3", "--requests", "16", "--page-size", "8", "--device-pages", "48",
+         "--host-pages", "56", "--prefetch-threshold", "8", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["kv_mismatches"] == 0 and result["kv_verified_pages"] > 0, result
+    assert result["outputs_match_reference"] and result["storage_errors"] > 0, result
+    late = [int(line.split()[0]) for line in log.read_text().splitlines()]
+    assert max(late) > 0                             # the bytes did come, late
