@@ -1,9 +1,16 @@
 """Cache policies and knobs, validated once so bad values fail early with one line."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .errors import UsageError
+
+_CPUS = os.cpu_count() or 1
+CHECKSUM_WORKERS = min(3, _CPUS - 1) if _CPUS >= 4 else 0
+"""Cores a stored object's checksum (or seal) may take beside its transfer: none on a machine
+with fewer than four, where it runs inline while the bytes are in cache. Backends read it to
+size their calls, the transfer side to size its pool."""
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -27,17 +27,15 @@ copied into them.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
+from ..config import CHECKSUM_WORKERS
 from ..errors import StorageError
 
 T = TypeVar("T")
-_CPUS = os.cpu_count() or 1
-CHECKSUM_WORKERS = min(3, _CPUS - 1) if _CPUS >= 4 else 0
 GROUP_BYTES = 4 << 20    # pooled work is handed out in groups of about this many bytes...
 HOT_BYTES = 512 << 10    # ...inline work in groups that fit one core's L2 cache twice over
 AHEAD_BYTES = 8 << 20    # pooled headers run at most this far ahead of the writer

@@ -43,8 +43,9 @@ def test_round_trip_through_page_store(mooncake_storage, scheme, head_group, fir
 
 def test_batches_are_one_call_inline_and_small_at_the_edges_when_pooled(monkeypatch):
     sizes = [1 << 20] * 40
+    monkeypatch.setattr(adapter_module, "CHECKSUM_WORKERS", 0)
     assert _runs(sizes, small_tail=True) == [range(40)]
-    monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", 2)
+    monkeypatch.setattr(adapter_module, "CHECKSUM_WORKERS", 2)
     puts, gets = _runs(sizes, small_tail=False), _runs(sizes, small_tail=True)
     for runs in (puts, gets):
         assert [i for r in runs for i in r] == list(range(40))
@@ -53,6 +54,7 @@ def test_batches_are_one_call_inline_and_small_at_the_edges_when_pooled(monkeypa
 
 def test_pooled_checksums_over_several_calls_round_trip(mooncake_storage, monkeypatch):
     monkeypatch.setattr(checksums, "CHECKSUM_WORKERS", 2)
+    monkeypatch.setattr(adapter_module, "CHECKSUM_WORKERS", 2)
     monkeypatch.setattr(adapter_module, "EDGE_BYTES", 1)     # a call per object or two
     monkeypatch.setattr(adapter_module, "RUN_BYTES", 2 * LAYOUT.page_bytes)
     hashes = page_hashes(range(900, 932), 4)

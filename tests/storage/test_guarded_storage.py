@@ -79,9 +79,10 @@ def _timed_run(storage, spec, model) -> tuple[float, dict]:
 
 
 def test_a_run_on_a_storage_that_hangs_mid_run_costs_seconds_and_no_tokens():
-    """Reads and writes hang for good after a few calls: the run ends within a few seconds of
-    a healthy one, in about as many steps (an idle loop awaits completions, it does not spin),
-    with the same outputs, carried by L1/L2."""
+    """Reads and writes hang for good after a few calls: the run ends within seconds of a
+    healthy one (a few deadlines, then the breaker; loose, since two loaded cores stretch both
+    runs), in about as many steps (an idle loop awaits completions, it does not spin), with the
+    same outputs, carried by L1/L2."""
     spec, model = WorkloadSpec(seed=4, requests=16, turns=4, system_len=48, user_len=(8, 24), max_new=6), \
         ModelConfig()
     healthy_s, healthy = _timed_run(MemoryStorage(), spec, model)
@@ -91,5 +92,5 @@ def test_a_run_on_a_storage_that_hangs_mid_run_costs_seconds_and_no_tokens():
     finally:
         storage.release.set()
     assert hung["storage_errors"] > 0 and healthy["storage_errors"] == 0, hung
-    assert hung_s < healthy_s + 8, (hung_s, healthy_s)
+    assert hung_s < 2 * healthy_s + 8, (hung_s, healthy_s)
     assert hung["steps"] < 2 * healthy["steps"] + 50, (hung["steps"], healthy["steps"])

@@ -6,7 +6,7 @@ staging buffer. Return codes: -704 not found is a miss, -705 already exists is s
 (keys are content-addressed), -900 RPC failure is an outage (StorageError), other
 negatives fail just that object.
 
-Where the caller's checksums run on spare cores (`checksums.CHECKSUM_WORKERS`), a large batch
+Where the caller's checksums run on spare cores (`config.CHECKSUM_WORKERS`), a large batch
 moves in a few zero-copy calls (`_runs`) rather than one, so they overlap the transfer: the
 first put and the last get are small, since the first put waits for its headers and the
 last get's verification follows the call. Elsewhere a batch is one call: each extra call
@@ -24,9 +24,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from hicache_async.config import CHECKSUM_WORKERS
 from hicache_async.errors import StorageError
 from hicache_async.storage.base import MISSING, WRONG_SIZE, call_abandoned
-from hicache_async.transfer import checksums
 
 from .client import MooncakeClient, in_call
 
@@ -43,7 +43,7 @@ EDGE_BYTES = 2 << 20     # ...and the first put / last get about this much, grow
 
 def _runs(sizes: list[int], small_tail: bool) -> list[range]:
     """Consecutive runs of objects, one call each, small at the head (puts) or tail (gets)."""
-    if not checksums.CHECKSUM_WORKERS:
+    if not CHECKSUM_WORKERS:
         return [range(len(sizes))] if sizes else []
     order = sizes[::-1] if small_tail else sizes
     runs, start, acc, limit = [], 0, 0, EDGE_BYTES
