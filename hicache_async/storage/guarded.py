@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..config import CacheConfig
 from ..daemon_threads import DaemonThreads
 from ..errors import StorageError
 from .base import AbandonedCall, StorageAdapter, run_abandonable
+from .wrapping import WrappingStorage
 
 log = logging.getLogger(__name__)
 PROBE_KEY = "hicache-async-probe"
@@ -38,9 +39,9 @@ PROBE_KEY = "hicache-async-probe"
 _RUNNERS = DaemonThreads("hicache-storage-call")   # shared by every guard in the process
 
 
-class GuardedStorage(StorageAdapter):
+class GuardedStorage(WrappingStorage):
     def __init__(self, inner: StorageAdapter, config: CacheConfig) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.timeout_s = config.storage_timeout_s
         self.failures_to_open = config.storage_breaker_failures
         self.retry_s = config.storage_retry_s
@@ -112,22 +113,8 @@ class GuardedStorage(StorageAdapter):
 
     # -- the adapter protocol --------------------------------------------------------------
 
-    def batch_exists(self, keys: list[str]) -> int:
-        return self._call("batch_exists", lambda: self.inner.batch_exists(keys))
-
-    def batch_set(self, keys: list[str], values: list) -> list[bool]:
-        return self._call("batch_set", lambda: self.inner.batch_set(keys, values))
-
-    def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
-        return self._call("batch_get", lambda: self.inner.batch_get(keys, buffers))
-
-    def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
-                        ready: Callable[[int], None] | None = None) -> list[bool]:
-        return self._call("batch_set", lambda: self.inner.batch_set_parts(keys, parts, ready))
-
-    def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
-                        landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
-        return self._call("batch_get", lambda: self.inner.batch_get_parts(keys, parts, landed))
+    def _through(self, op: str, keys: list[str], call):
+        return self._call(op, call)
 
     def register_memory(self, view: memoryview) -> None:
         """Guarded like a transfer: pinning may need the backend (Mooncake publishes the memory

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from ..errors import UsageError
 from .base import FORGED, MISSING, StorageAdapter, call_abandoned
 from .staging import StagingPool
+from .wrapping import WrappingStorage
 
 SECRET_BYTES = 32               # least a secret file holds (random bytes)
 NONCE_BYTES, TAG_BYTES = 12, 16
@@ -75,9 +76,10 @@ def _slices(buf: memoryview, sizes: list[int]) -> list[memoryview]:
     return out
 
 
-class SealedStorage(StorageAdapter):
+class SealedStorage(WrappingStorage):
     def __init__(self, inner: StorageAdapter, key: AESGCM) -> None:
-        self.inner, self._aead = inner, key
+        super().__init__(inner)
+        self._aead = key
         self._staging = StagingPool(inner.register_memory)
 
     def __repr__(self) -> str:
@@ -120,9 +122,6 @@ class SealedStorage(StorageAdapter):
         return sealed.nbytes - SEAL_BYTES
 
     # -- the adapter protocol ----------------------------------------------------------------
-
-    def batch_exists(self, keys: list[str]) -> int:
-        return self.inner.batch_exists(keys)
 
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[v] for v in values])
@@ -170,10 +169,4 @@ class SealedStorage(StorageAdapter):
             got = self.inner.batch_get_parts(keys, [[s] for s in sealed], landed=opened)
             opened(len(out), got[len(out):])
         return out
-
-    def register_memory(self, view: memoryview) -> None:
-        self.inner.register_memory(view)
-
-    def close(self) -> None:
-        self.inner.close()
 
