@@ -154,3 +154,21 @@ def test_plot_ticks_are_the_swept_values_as_a_person_writes_them(table, bottom, 
         assert [t.get_text() for t in tokens.get_xticklabels()] == top and "tokens" in tokens.get_xlabel()
     else:
         assert not hit.child_axes
+
+
+def test_ttft_spanning_decades_reads_in_plain_seconds():
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    import re
+
+    from hicache_async.sim.sweep_plot import draw
+
+    table = _table("l3-read-gbps", "GB/s", [2, 10], [1048576] * 2)
+    for row, p90 in zip(table["rows"], (218_643.0, 5_886.0)):
+        row.update(ttft_ms_p90=p90, baseline_ttft_ms_p90=297_187.0, oracle_ttft_ms_p90=3_657.0)
+    fig = draw(table)
+    fig.canvas.draw()
+    ttft = fig.axes[1]
+    assert ttft.get_yscale() == "log" and ttft.get_ylabel() == "TTFT p90 (s)"
+    labels = [t.get_text() for t in ttft.get_yticklabels() if t.get_text()]
+    assert {"10", "100"} <= set(labels) and all(re.fullmatch(r"[\d,.]+", t) for t in labels), labels
+    assert not [t.get_text() for t in ttft.get_yticklabels(minor=True) if t.get_text()]
