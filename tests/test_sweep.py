@@ -130,7 +130,8 @@ def _table(sweep: str, unit: str, values: list, tokens: list[int]) -> dict:
              "capacity_gib": t * LLAMA_8B_KV_BYTES_PER_TOKEN / 2**30, "l1_ratio": 0.1, "l2_ratio": 0.2,
              "l3_ratio": 0.1, "hit_ratio": 0.4, "oracle_ratio": 0.6, "ttft_ms_p90": 900.0,
              "baseline_ttft_ms_p90": 1500.0, "oracle_ttft_ms_p90": 700.0} for v, t in zip(values, tokens)]
-    return {"sweep": sweep, "model": "llama-3.1-8b", "label": sweep.rsplit("-", 1)[0], "unit": unit, "capacity_of": "L2 host", "trace": "t.jsonl", "rows": rows}
+    return {"sweep": sweep, "model": "llama-3.1-8b", "label": sweep.rsplit("-", 1)[0], "unit": unit,
+            "capacity_of": "L2 host", "trace": "t.jsonl", "rows": rows}
 
 
 @pytest.mark.parametrize("table,bottom,top", [

@@ -58,10 +58,7 @@ def draw(table: dict):
 
     rows = table["rows"]
     x, labels, xlabel = _x(table)
-    has_ttft = "ttft_ms_p90" in rows[0]
-    fig, axes = plt.subplots(2 if has_ttft else 1, 1, sharex=True, figsize=(7.5, 7 if has_ttft else 4.5),
-                             squeeze=False)
-    hit, bottom = axes[0][0], axes[-1][0]
+    fig, (hit, ttft) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 7))
     hit.stackplot(x, *([r[key] for r in rows] for key, _ in TIERS), alpha=0.75,
                   labels=[name for _, name in TIERS], colors=("#4c72b0", "#55a868", "#dd8452"))
     hit.plot(x, [r["hit_ratio"] for r in rows], "o", color="#333333", ms=4, label="hit ratio (each run)")
@@ -72,22 +69,20 @@ def draw(table: dict):
     hit.set_ylabel("prompt tokens served from cache")
     hit.legend(loc="upper left", fontsize="small", ncols=2)
 
-    if has_ttft:
-        _ttft_panel(bottom, x, rows)
+    _ttft_panel(ttft, x, rows)
     if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 10:
-        bottom.set_xscale("log")
-    _fixed_ticks(bottom.xaxis, x, labels)
+        ttft.set_xscale("log")
+    _fixed_ticks(ttft.xaxis, x, labels)
     if _is_capacity(table):
         per_token = rows[0]["kv_bytes_per_token"]
         tokens = hit.secondary_xaxis("top", functions=(lambda b: b / per_token, lambda t: t * per_token))
         _fixed_ticks(tokens.xaxis, [r["capacity_tokens"] for r in rows],
                      [units.count(r["capacity_tokens"]) for r in rows])
         tokens.set_xlabel(f"{table['capacity_of']} capacity in tokens")
-    bottom.set_xlabel(xlabel)
-    for ax in axes[:, 0]:
+    ttft.set_xlabel(xlabel)
+    for ax in (hit, ttft):
         ax.grid(alpha=0.3)
-    title = (f"{os.path.basename(table['trace'])}: hit ratio{' and TTFT p90' if has_ttft else ''} "
-             f"against the {table['label']}")
+    title = f"{os.path.basename(table['trace'])}: hit ratio and TTFT p90 against the {table['label']}"
     hit.set_title("\n".join(filter(None, (title, _fixed_part(table)))), fontsize="medium")
     fig.tight_layout()
     return fig
