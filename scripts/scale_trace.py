@@ -85,7 +85,10 @@ def replay(trace: str, extra: list[str]) -> dict:
         seconds = time.perf_counter() - started
         done.set()
         sampler.join()
-        result = json.load(open(out_json)) if os.path.exists(out_json) else {}
+        result = {}
+        if os.path.exists(out_json):
+            with open(out_json) as f:
+                result = json.load(f)
     return {"exit_code": code, "wall_seconds": round(seconds, 1), "peak_tree_rss_mib": round(peak / 2**20, 1),
             **{k: result.get(k) for k in ("requests", "prompt_tokens", "hit_ratio", "oracle_ratio",
                                          "peak_rss_mb", "seconds", "virtual_seconds")}}

@@ -130,7 +130,8 @@ def _table(sweep: str, unit: str, values: list, tokens: list[int]) -> dict:
              "capacity_gib": t * LLAMA_8B_KV_BYTES_PER_TOKEN / 2**30, "l1_ratio": 0.1, "l2_ratio": 0.2,
              "l3_ratio": 0.1, "hit_ratio": 0.4, "oracle_ratio": 0.6, "ttft_ms_p90": 900.0,
              "baseline_ttft_ms_p90": 1500.0, "oracle_ttft_ms_p90": 700.0} for v, t in zip(values, tokens)]
-    return {"sweep": sweep, "model": "llama-3.1-8b", "label": sweep.rsplit("-", 1)[0], "unit": unit, "capacity_of": "L2 host", "trace": "t.jsonl", "rows": rows}
+    return {"sweep": sweep, "model": "llama-3.1-8b", "label": sweep.rsplit("-", 1)[0], "unit": unit,
+            "capacity_of": "L2 host", "trace": "t.jsonl", "rows": rows}
 
 
 @pytest.mark.parametrize("table,bottom,top", [
@@ -154,3 +155,21 @@ def test_plot_ticks_are_the_swept_values_as_a_person_writes_them(table, bottom, 
         assert [t.get_text() for t in tokens.get_xticklabels()] == top and "tokens" in tokens.get_xlabel()
     else:
         assert not hit.child_axes
+
+
+def test_ttft_spanning_decades_reads_in_plain_seconds():
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    import re
+
+    from hicache_async.sim.jobs.sweep_plot import draw
+
+    table = _table("l3-read-gbps", "GB/s", [2, 10], [1048576] * 2)
+    for row, p90 in zip(table["rows"], (218_643.0, 5_886.0)):
+        row.update(ttft_ms_p90=p90, baseline_ttft_ms_p90=297_187.0, oracle_ttft_ms_p90=3_657.0)
+    fig = draw(table)
+    fig.canvas.draw()
+    ttft = fig.axes[1]
+    assert ttft.get_yscale() == "log" and ttft.get_ylabel() == "TTFT p90 (s)"
+    labels = [t.get_text() for t in ttft.get_yticklabels() if t.get_text()]
+    assert {"10", "100"} <= set(labels) and all(re.fullmatch(r"[\d,.]+", t) for t in labels), labels
+    assert not [t.get_text() for t in ttft.get_yticklabels(minor=True) if t.get_text()]

@@ -118,7 +118,8 @@ def sweep(args: RunArgs, cache: CacheConfig, spec: ReplaySpec, name: str, values
         runs.append(result)
     stand_in = _stand_in_page_bytes(model, cache.page_size)
     return {"sweep": name, "label": knob.label, "unit": knob.unit, "capacity_of": knob.tier or "L2 host",
-            "trace": spec.trace, "model": runs[0]["model"], "rows": [_row(knob, v, r, stand_in) for v, r in zip(values, runs)], "runs": runs}
+            "trace": spec.trace, "model": runs[0]["model"],
+            "rows": [_row(knob, v, r, stand_in) for v, r in zip(values, runs)], "runs": runs}
 
 
 def _stand_in_page_bytes(model: ReplayModelSpec, page_size: int) -> int:
@@ -139,7 +140,7 @@ def _row(knob: Knob, value, result: dict, stand_in_page_bytes: int) -> dict:
     return {"value": value, "kv_bytes_per_token": per_token, "capacity_tokens": tokens,
             "capacity_gib": round(tokens * per_token / 2**30, 3), **hits,
             **{k: result[k] for k in ("hit_ratio", "oracle_ratio", "oracle_captured")},
-            **{k: result[k] for k in TTFT_FIELDS if k in result}, **{k: result[k] for k in CHECK_FIELDS}}
+            **{k: result[k] for k in (*TTFT_FIELDS, *CHECK_FIELDS)}}
 
 
 def write_csv(table: dict, path: str) -> None:
@@ -160,17 +161,13 @@ def value_text(table: dict, value) -> str:
 
 
 def print_table(table: dict, file=None) -> None:
-    rows = table["rows"]
-    ttft = "ttft_ms_p90" in rows[0]
     print(f"sweep over {table['sweep']}, the {table['label']}: capacity of {table['capacity_of']} in the "
-          f"modelled model's tokens and KV" + ("; TTFT p90 in ms beside no cache and the ideal cache"
-                                                  if ttft else ""), file=file)
-    head = f"  {table['sweep']:>18} {'tokens':>13} {'KV':>9} {'L1':>6} {'L2':>6} {'L3':>6} {'hit':>6} {'ideal':>6}"
-    print(head + (f" {'TTFT p90':>9} {'no cache':>9} {'ideal':>9}" if ttft else ""), file=file)
-    for r in rows:
-        line = (f"  {value_text(table, r['value']):>18} {units.tokens(r['capacity_tokens']):>13} "
-                f"{units.size(r['capacity_tokens'] * r['kv_bytes_per_token']):>9} {r['l1_ratio']:>6.3f} {r['l2_ratio']:>6.3f} "
-                f"{r['l3_ratio']:>6.3f} {r['hit_ratio']:>6.3f} {r['oracle_ratio']:>6.3f}")
-        if ttft:
-            line += "".join(f" {r[k]:>9,.0f}" for k in ("ttft_ms_p90", "baseline_ttft_ms_p90", "oracle_ttft_ms_p90"))
-        print(line, file=file)
+          f"modelled model's tokens and KV; TTFT p90 in ms beside no cache and the ideal cache", file=file)
+    print(f"  {table['sweep']:>18} {'tokens':>13} {'KV':>9} {'L1':>6} {'L2':>6} {'L3':>6} {'hit':>6} {'ideal':>6} "
+          f"{'TTFT p90':>9} {'no cache':>9} {'ideal':>9}", file=file)
+    for r in table["rows"]:
+        cells = [f"{value_text(table, r['value']):>18}", f"{units.tokens(r['capacity_tokens']):>13}",
+                 f"{units.size(r['capacity_tokens'] * r['kv_bytes_per_token']):>9}",
+                 *(f"{r[k]:>6.3f}" for k in ("l1_ratio", "l2_ratio", "l3_ratio", "hit_ratio", "oracle_ratio")),
+                 *(f"{r[k]:>9,.0f}" for k in ("ttft_ms_p90", "baseline_ttft_ms_p90", "oracle_ttft_ms_p90"))]
+        print("  " + " ".join(cells), file=file)

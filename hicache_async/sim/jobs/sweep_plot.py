@@ -58,12 +58,10 @@ def draw(table: dict):
 
     rows = table["rows"]
     x, labels, xlabel = _x(table)
-    has_ttft = "ttft_ms_p90" in rows[0]
-    fig, axes = plt.subplots(2 if has_ttft else 1, 1, sharex=True, figsize=(7.5, 7 if has_ttft else 4.5),
-                             squeeze=False)
-    hit, bottom = axes[0][0], axes[-1][0]
+    fig, (hit, ttft) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 7))
     hit.stackplot(x, *([r[key] for r in rows] for key, _ in TIERS), alpha=0.75,
                   labels=[name for _, name in TIERS], colors=("#4c72b0", "#55a868", "#dd8452"))
+    hit.plot(x, [r["hit_ratio"] for r in rows], "o", color="#333333", ms=4, label="hit ratio (each run)")
     hit.plot(x, [r["oracle_ratio"] for r in rows], "k--", label="ideal cache (unbounded)")
     hit.axhline(0, color="#c44e52", lw=2, label="no cache")
     hit.set_ylim(0, 1)
@@ -71,36 +69,42 @@ def draw(table: dict):
     hit.set_ylabel("prompt tokens served from cache")
     hit.legend(loc="upper left", fontsize="small", ncols=2)
 
-    if has_ttft:
-        _ttft_panel(bottom, x, rows)
+    _ttft_panel(ttft, x, rows)
     if len(x) > 1 and min(x) > 0 and max(x) / min(x) >= 10:
-        bottom.set_xscale("log")
-    _fixed_ticks(bottom.xaxis, x, labels)
+        ttft.set_xscale("log")
+    _fixed_ticks(ttft.xaxis, x, labels)
     if _is_capacity(table):
         per_token = rows[0]["kv_bytes_per_token"]
         tokens = hit.secondary_xaxis("top", functions=(lambda b: b / per_token, lambda t: t * per_token))
         _fixed_ticks(tokens.xaxis, [r["capacity_tokens"] for r in rows],
                      [units.count(r["capacity_tokens"]) for r in rows])
         tokens.set_xlabel(f"{table['capacity_of']} capacity in tokens")
-    bottom.set_xlabel(xlabel)
-    for ax in axes[:, 0]:
+    ttft.set_xlabel(xlabel)
+    for ax in (hit, ttft):
         ax.grid(alpha=0.3)
-    title = (f"{os.path.basename(table['trace'])}: hit ratio{' and TTFT p90' if has_ttft else ''} "
-             f"against the {table['label']}")
+    title = f"{os.path.basename(table['trace'])}: hit ratio and TTFT p90 against the {table['label']}"
     hit.set_title("\n".join(filter(None, (title, _fixed_part(table)))), fontsize="medium")
     fig.tight_layout()
     return fig
 
 
 def _ttft_panel(ax, x: list[float], rows: list[dict]) -> None:
-    """TTFT p90 of each run beside the same trace with no cache and with the ideal cache."""
-    from matplotlib.ticker import FuncFormatter
+    """TTFT p90 of each run beside the same trace with no cache and with the ideal cache; on a
+    log axis when they span more than a decade, so seconds near the ideal stay apart."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    scale, unit = _ms_scale([r["baseline_ttft_ms_p90"] for r in rows] + [r["ttft_ms_p90"] for r in rows])
-    ax.plot(x, [r["ttft_ms_p90"] / scale for r in rows], "o-", color="#4c72b0", label="this configuration")
-    ax.plot(x, [r["baseline_ttft_ms_p90"] / scale for r in rows], "-", color="#c44e52", label="no cache")
-    ax.plot(x, [r["oracle_ttft_ms_p90"] / scale for r in rows], "k--", label="ideal cache")
-    ax.set_ylim(bottom=0)
+    series = {key: [r[key] for r in rows] for key in ("ttft_ms_p90", "baseline_ttft_ms_p90", "oracle_ttft_ms_p90")}
+    scale, unit = _ms_scale([v for values in series.values() for v in values])
+    ax.plot(x, [v / scale for v in series["ttft_ms_p90"]], "o-", color="#4c72b0", label="this configuration")
+    ax.plot(x, [v / scale for v in series["baseline_ttft_ms_p90"]], "-", color="#c44e52", label="no cache")
+    ax.plot(x, [v / scale for v in series["oracle_ttft_ms_p90"]], "k--", label="ideal cache")
+    low, high = min(min(v) for v in series.values()), max(max(v) for v in series.values())
+    if low > 0 and high / low > 10:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_ylim(bottom=0)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: units.number(v)))
     ax.set_ylabel(f"TTFT p90 ({unit})")
     ax.legend(loc="best", fontsize="small")
