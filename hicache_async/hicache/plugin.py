@@ -152,7 +152,7 @@ class HiCachePlugin(KVPlugin):
         return {**self.admissions.stats, "transfers": dict(self.tracer.transfers), "steps": self.step,
                 "digest": self.ledger.digest, "storage_errors": self.l3.errors if self.l3 else 0,
                 "corrupt_objects": counters.corrupt_objects, "missing_objects": counters.missing_objects,
-                "forged_objects": counters.forged_objects,
+                "forged_objects": counters.forged_objects, "quarantined_bytes": counters.quarantined_bytes,
                 "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "prefetches_terminated": self.l3.terminated if self.l3 else 0,

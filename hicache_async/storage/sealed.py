@@ -8,8 +8,9 @@ stored as header | nonce | ciphertext | tag. An object that does not open, writt
 the secret, under another one, or altered in any byte, is `FORGED`: a miss, never KV.
 
 A wrapper, so every backend is sealed alike, third-party ones included. It runs inside the
-caller's deadline (under `GuardedStorage`), sealing into and opening from a staging buffer
-that each call owns until it returns, registered with the backend so a zero-copy one stays so.
+caller's deadline (under `GuardedStorage`), sealing into and opening from staging that each
+call owns until it returns (registered with the backend, so a zero-copy one stays so), in
+backend calls of at most RUN_BYTES so a large batch needs no large buffer.
 Random nonces are safe for about 2^32 objects per key (NIST SP 800-38D).
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .wrapping import WrappingStorage
 SECRET_BYTES = 32               # least a secret file holds (random bytes)
 NONCE_BYTES, TAG_BYTES = 12, 16
 SEAL_BYTES = NONCE_BYTES + TAG_BYTES   # what sealing adds to an object
+RUN_BYTES = 32 << 20            # most bytes one call to the backend moves: its staging's size
 _KEY_INFO = b"hicache-async sealed store v1"
 
 
@@ -131,15 +133,20 @@ class SealedStorage(WrappingStorage):
         """Each object is sealed when the backend asks for it (`ready`), after the caller's
         own `ready` made its header final, so what the backend skips is never sealed."""
         sizes = [sum(memoryview(p).nbytes for p in ps) + SEAL_BYTES for ps in parts]
-        with self._staging.lease(sum(sizes)) as buf:
-            sealed = _slices(buf, sizes)
+        out: list[bool] = []
+        for run in _runs(sizes):
+            if call_abandoned():    # the caller has moved on: its pages may hold other data
+                return out + [False] * (len(keys) - run.start)
+            with self._staging.lease(sum(sizes[i] for i in run)) as buf:
+                sealed = _slices(buf, sizes[run.start:run.stop])
 
-            def seal(i: int) -> None:
-                if ready is not None:
-                    ready(i)
-                self._seal(parts[i], sealed[i])
+                def seal(j: int, run: range = run, sealed: list = sealed) -> None:
+                    if ready is not None:
+                        ready(run.start + j)
+                    self._seal(parts[run.start + j], sealed[j])
 
-            return self.inner.batch_set_parts(keys, [[s] for s in sealed], ready=seal)
+                out += self.inner.batch_set_parts(keys[run.start:run.stop], [[s] for s in sealed], ready=seal)
+        return out
 
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         """Objects up to each buffer's size, as the contract's batch_get reads them."""
@@ -156,17 +163,36 @@ class SealedStorage(WrappingStorage):
         """Each object is opened as the backend lands it, while still in cache."""
         sizes = [sum(memoryview(p).nbytes for p in ps) + SEAL_BYTES for ps in parts]
         out: list[int] = []
-        with self._staging.lease(sum(sizes)) as buf:
-            sealed = _slices(buf, sizes)
 
-            def opened(start: int, results: list[int]) -> None:
-                if start != len(out) or not results:
-                    return
-                out.extend(self._open(parts[i], sealed[i], n) for i, n in enumerate(results, start))
-                if landed is not None:
-                    landed(start, out[start:])
+        def report(start: int, results: list[int]) -> None:
+            out.extend(results)
+            if landed is not None:
+                landed(start, results)
 
-            got = self.inner.batch_get_parts(keys, [[s] for s in sealed], landed=opened)
-            opened(len(out), got[len(out):])
+        for run in _runs(sizes):
+            if call_abandoned():    # the caller has moved on: its buffers are not ours to fill
+                report(run.start, [MISSING] * (len(keys) - run.start))
+                break
+            with self._staging.lease(sum(sizes[i] for i in run)) as buf:
+                sealed = _slices(buf, sizes[run.start:run.stop])
+
+                def opened(start: int, results: list[int], run: range = run, sealed: list = sealed) -> None:
+                    at = run.start + start
+                    if at == len(out) and results:
+                        report(at, [self._open(parts[at + j], sealed[start + j], n) for j, n in enumerate(results)])
+
+                got = self.inner.batch_get_parts(keys[run.start:run.stop], [[s] for s in sealed], landed=opened)
+                opened(len(out) - run.start, got[len(out) - run.start:])
         return out
 
+def _runs(sizes: list[int]) -> list[range]:
+    """Consecutive runs of objects of at most RUN_BYTES (one object at least), a backend call each."""
+    runs, start, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        if acc and acc + n > RUN_BYTES:
+            runs.append(range(start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(sizes):
+        runs.append(range(start, len(sizes)))
+    return runs

@@ -25,7 +25,8 @@ from .base import AbandonedCall
 
 log = logging.getLogger(__name__)
 
-MIN_BUFFER = 64 << 10   # smallest buffer made; sizes round up to powers of two, for reuse
+MIN_BUFFER = 64 << 10   # smallest buffer made
+HUGE_PAGE = 2 << 20
 
 
 class StagingPool:
@@ -62,7 +63,7 @@ class StagingPool:
             at = bisect.bisect_left(self._free, (nbytes,))
             if at < len(self._free):
                 return self._free.pop(at)[2]
-        size = max(MIN_BUFFER, 1 << (nbytes - 1).bit_length())
+        size = _rounded(nbytes)
         buf = memoryview(_anonymous(size))
         try:
             self._register(buf)
@@ -87,6 +88,14 @@ class StagingPool:
             self.quarantined_bytes -= buf.nbytes
         self._on_quarantine(-buf.nbytes)
         self._give_back(buf)
+
+
+def _rounded(nbytes: int) -> int:
+    """A buffer size for `nbytes`: few sizes (powers of two, then multiples of a huge page), so
+    one buffer serves later leases, and little waste."""
+    if nbytes <= HUGE_PAGE:
+        return max(MIN_BUFFER, 1 << (nbytes - 1).bit_length())
+    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
 
 
 def _anonymous(size: int) -> mmap.mmap:

@@ -61,6 +61,23 @@ def test_a_sealed_round_trip_stores_no_plaintext(tmp_path, scheme):
             assert payload[:16] not in blob and payload[-16:] not in blob
 
 
+def test_a_batch_bigger_than_a_run_moves_in_several_calls_and_stops_at_a_forgery(tmp_path, monkeypatch):
+    from hicache_async.storage import sealed as sealed_module
+
+    monkeypatch.setattr(sealed_module, "RUN_BYTES", 1)   # one object a backend call
+    raw, host, calls = MemoryStorage(), _host(), []
+    get = raw.batch_get
+    raw.batch_get = lambda keys, buffers: calls.append(len(keys)) or get(keys, buffers)
+    store = _store(SealedStorage(raw, load_key(_secret(tmp_path / "secret"))))
+    assert store.backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
+    reader = HostPool(LAYOUT, 4)
+    assert store.prefetch(HASHES, reader, [0, 1, 2, 3]).pages == 4 and torch.equal(reader.tensor, host.tensor)
+    assert calls == [1] * 4
+    _forge("ciphertext", raw, store.keys.objects(HASHES[2])[0].key)
+    got = store.prefetch(HASHES, HostPool(LAYOUT, 4), [0, 1, 2, 3])
+    assert (got.pages, got.forged) == (2, 1)
+
+
 def test_each_object_gets_a_fresh_nonce(tmp_path):
     raw = MemoryStorage()
     store = _store(SealedStorage(raw, load_key(_secret(tmp_path / "secret"))))

@@ -184,7 +184,7 @@ def _mooncake_figures(pages: int, reps: int) -> list[dict]:
 
     host, reader, batches = _workload(pages, reps)
     nbytes, size = pages * LAYOUT.page_bytes, LAYOUT.page_bytes
-    segment = 4 * reps * pages * (size + 4096) + (64 << 20)   # room to spare: no eviction
+    segment = 6 * reps * pages * (size + 4096) + (64 << 20)   # four sides' objects, room to spare: no eviction
     # No segment holder: the client mounts its own segment, so every side takes the local path.
     with MooncakeMaster(holder_bytes=0) as master:
         adapter = MooncakeStorage(master.address, master.metadata_url, segment_bytes=segment,
