@@ -45,7 +45,7 @@ class Admissions:
         self.requests: dict[int, RequestState] = {}
         self.stats = {"prompt_tokens": 0, "tokens_from_l1": 0, "tokens_from_l2": 0,
                       "tokens_from_l3": 0, "tokens_computed": 0}
-        self.misses: dict[str, str] = {}    # request id -> why the page after its cached prefix missed
+        self.misses: dict[str, str] = {}    # request id -> why the page after its cached prefix missed (planner)
 
     def admit(self, req: Request) -> bool:
         state = self.requests.setdefault(req.id, RequestState())
@@ -77,7 +77,7 @@ class Admissions:
         self._count("tokens_from_l2", host_tokens - l3_tokens)
         self._count("tokens_computed", len(req.prompt) - req.cached)
         self.stats["prompt_tokens"] += len(req.prompt)
-        if req.cached < len(tokens) // ps * ps:
+        if self.cache.history is not None and req.cached < len(tokens) // ps * ps:
             self.misses[str(req.id)] = self._why_missed(req, state, tokens, req.cached // ps).value
         return True
 

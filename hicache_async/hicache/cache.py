@@ -49,7 +49,10 @@ class TieredCache:
         self.note = self.ledger.note
         self.tracer = self.ledger.tracer
         self.dropped_pages = 0
-        self.history = PageHistory()
+        # What became of every page ever cached, to name why a miss happened: the planner's
+        # account (a modelled clock), never kept by an engine serving for real, where it would grow
+        # with every page and cost a hash chain per missed admission.
+        self.history = PageHistory() if self.ledger.clock.modelled else None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -93,7 +96,8 @@ class TieredCache:
     def insert(self, tokens: list[int], pages: list[int], hashes: list[str], salt: str | None = None) -> list[int]:
         """Cache a sequence's full pages; returns the caller's pages to free."""
         inserted = self.tree.insert(tokens, pages, hashes, salt)
-        self.history.inserted(hashes[: len(tokens) // self.config.page_size])
+        if self.history is not None:
+            self.history.inserted(hashes[: len(tokens) // self.config.page_size])
         self.note("insert", inserted.last.id, len(inserted.duplicate_pages))
         if self.config.write_policy == "write_through":
             for node in inserted.new_nodes:

@@ -140,9 +140,11 @@ class StorageTier:
 
     def retired(self, backups: list[StorageOp], prefetches: list[StorageOp]) -> None:
         """Ops every rank retired: backups give back their host lock, prefetches commit."""
+        history = self.cache.history
         for op in backups:
             self.tree.lock_host(op.node, -1)
-            self.cache.history.backed_up(op.hashes, getattr(op.result, "ok", []))
+            if history is not None:
+                history.backed_up(op.hashes, getattr(op.result, "ok", []))
             self._count_errors(op)
         for op in prefetches:
             self.terminated += op.terminated
@@ -158,8 +160,9 @@ class StorageTier:
         if op.committed:
             unused += self.tree.graft_host(list(op.tokens), op.first_page, op.hashes, op.host_pages[:op.committed],
                                            op.salt)
-            fetched = op.hashes[op.first_page: op.first_page + op.committed]
-            self.earlier_pages += self.cache.history.backed_up(fetched, [True] * len(fetched))
+            if self.cache.history is not None:
+                fetched = op.hashes[op.first_page: op.first_page + op.committed]
+                self.earlier_pages += self.cache.history.backed_up(fetched, [True] * len(fetched))
         self.host.alloc.release(unused)
         self._count_errors(op)
 
