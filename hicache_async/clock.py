@@ -29,10 +29,6 @@ class OpClock:
         """Whether `op` may be offered as complete at this step."""
         return op.done.query()
 
-    def next_due(self) -> float:
-        """When (in `now`'s seconds) the next issued op falls due; inf when unknown."""
-        return float("inf")
-
     def transfer_s(self, kind: Any, pages: int) -> float | None:
         """Seconds a transfer of `pages` pages takes on every rank, as this clock will time it;
         None when only measuring can tell (wall time)."""

@@ -98,7 +98,9 @@ class Ledger:
         for op in self.queues[PREFETCH]:
             if len(pages) == PREFETCH_SLOTS:
                 break
-            if await self._due(op, step):
+            if self.clock.due(op):
+                if not op.done.query():
+                    await self._landed(op, step)
                 pages.append(op.fetched_pages)
             elif gives_up(op):
                 pages.append(0)
@@ -109,18 +111,17 @@ class Ledger:
     async def _leading(self, kind: TransferKind, step: int) -> int:
         n = 0
         for op in self.queues[kind]:
-            if not await self._due(op, step):
+            if not self.clock.due(op):
                 break
+            if not op.done.query():
+                await self._landed(op, step)
             n += 1
         return n
 
-    async def _due(self, op: CacheOp, step: int) -> bool:
-        """Due by the clock; under a modelled clock, also landed (awaited, bounded)."""
-        if not self.clock.due(op):
-            return False
-        if not op.done.query():
-            await op.done.wait(self.timeout_s, f"{self.tracer.coords.label()}: {op.kind} op due at step {step}")
-        return True
+    async def _landed(self, op: CacheOp, step: int) -> None:
+        """Await the bytes of an op a modelled clock calls due before they landed (bounded);
+        under wall time a due op has landed, so the offer never suspends for it."""
+        await op.done.wait(self.timeout_s, f"{self.tracer.coords.label()}: {op.kind} op due at step {step}")
 
     def ready_any(self) -> bool:
         """Whether some queue's head is due: an idle loop need not wait."""

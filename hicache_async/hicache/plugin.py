@@ -75,6 +75,7 @@ class HiCachePlugin(KVPlugin):
                                           l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us,
                                           threshold_tokens=cfg.prefetch_threshold, clock=engine.clock)
         self.admissions = Admissions(cfg, self.cache, self.l3, self.prefetch_cost, self.tracer)
+        self._gives_up = self.l3.gives_up if self.l3 is not None else _never
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -122,8 +123,7 @@ class HiCachePlugin(KVPlugin):
             return
         self.tracer.begin_step(self.step)
         await self.agreement.reap()
-        gives_up = self.l3.gives_up if self.l3 is not None else lambda op: False
-        offer = await self.ledger.offer(self.step, gives_up, self.prefetch_cost.offer())
+        offer = await self.ledger.offer(self.step, self._gives_up, self.prefetch_cost.offer())
         with spans.pp_sync_span(self.engine.coords, parent=self.tracer.step_span) as span:
             world = StepMessage.L3 if self.ledger.l3_active() else None
             agreed = StepMessage.unpack(await self.agreement.agree(offer.pack(), self.ledger.digest, self.step, world))
@@ -191,3 +191,8 @@ class HiCachePlugin(KVPlugin):
                 if self.cache is not None:
                     await anyio.to_thread.run_sync(self.cache.close)
                 await self.agreement.close()
+
+
+def _never(op) -> bool:
+    """No L3: no prefetch for a policy to give up on."""
+    return False

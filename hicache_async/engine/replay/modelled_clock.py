@@ -59,9 +59,6 @@ class ModelledClock(OpClock):
     def due(self, op) -> bool:
         return self.virtual.now_us >= self._due_us[op]
 
-    def next_due(self) -> float:
-        return self.next_event_us() / 1e6
-
     def next_event_us(self) -> float:
         """The earliest modelled completion or policy deadline still ahead (inf: none)."""
         events, now = self._events_us, self.virtual.now_us
