@@ -6,13 +6,24 @@ import os
 import subprocess
 import sys
 
+import anyio
 import pytest
 
 from hicache_async.app.cli import main
+from hicache_async.config import CacheConfig
 from hicache_async.engine.replay.trace import read_trace
+from hicache_async.events import HostEvent
+from hicache_async.hicache.cache import TieredCache
+from hicache_async.hicache.ops import CacheOp
 from hicache_async.hicache.radix import RadixTree
-from hicache_async.keys import page_hashes, tenant_digest
+from hicache_async.hicache.storage_tier import StorageTier
+from hicache_async.keys import make_key_scheme, page_hashes, tenant_digest
+from hicache_async.kinds import TransferKind
+from hicache_async.pools import DevicePool, HostPool
 from hicache_async.sim.jobs.oracle import unbounded_oracle
+from hicache_async.storage.memory import MemoryStorage
+from hicache_async.transfer.page_store import PageStore
+from tests.helpers.layouts import LAYOUT
 
 PROMPT = 1024            # two 512-token blocks: 16 pages of 64, 15 of them reusable (the last token is computed)
 REUSABLE = 15 * 64
@@ -202,3 +213,27 @@ def test_simulate_tenants_must_be_positive(capsys):
     assert main(["simulate", "--tenants", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tenants" in err and "0" in err, err
+
+
+async def test_the_storage_tier_names_the_tenant_in_what_it_stores_and_asks_for():
+    """A backup of a tenant's node is stored as that tenant's, and a prefetch asks for its
+    request's tenant: the same page under another tenant's name is a counted miss."""
+    cfg = CacheConfig(device_pages=8, host_pages=8, page_size=4)
+    cache = TieredCache(cfg, DevicePool(LAYOUT, 8), HostPool(LAYOUT, 8))
+    store = PageStore(MemoryStorage(), LAYOUT, make_key_scheme("rank-suffix", LAYOUT))
+    tokens = list(range(8))
+    hashes = page_hashes(tokens, 4, salt="acme")
+    node = cache.tree.insert(tokens, cache.alloc_device(2), hashes, "acme").last
+    write = CacheOp(TransferKind.WRITE, node, [HostEvent()], 2, 0, hashes=hashes, host_pages=cache.alloc_host(2))
+    async with anyio.create_task_group() as tasks:
+        tier = StorageTier(cache, store, cfg, tasks)
+        tier.back_up([write])
+        backup = cache.ledger.queues[TransferKind.BACKUP].head()
+        await backup.done.wait(30, "backup")
+        assert backup.result.ok == [True, True]
+        mine = tier.prefetch(1, None, tokens, 0, hashes, salt="acme")
+        theirs = tier.prefetch(2, None, tokens, 0, hashes, salt="other")
+        for op in (mine, theirs):
+            await op.done.wait(30, "prefetch")
+    assert (mine.result.pages, theirs.result.pages, theirs.result.corrupt) == (2, 0, 1)
+    cache.close()
