@@ -3,27 +3,19 @@
 The public face: all an embedder needs. An engine implements nothing here; it calls a
 `KVPlugin` (ours is `HiCachePlugin`) at a few points of its loop and hands it an
 `EngineContext` (its layout, device pool and rank placement, and for a world of several
-ranks a `PipelineAgreement` over its `ParallelGroups`). Names load on
-first use, so `hicache_async.keys` and `hicache_async.partition` stay cheap to import.
+ranks a `PipelineAgreement` over its `ParallelGroups`). Names load on first use
+(`lazy_loader`), so importing the package, or a torch-free part of it such as
+`hicache_async.partition`, does not pay for torch.
 """
-from importlib import import_module
+import lazy_loader
 
-_PUBLIC = {
-    "KVPlugin": "api", "EngineContext": "api", "load_plugin": "api",
-    "Request": "request", "CacheConfig": "config", "KVLayout": "layout",
-    "DevicePool": "pools", "HostPool": "pools", "OpClock": "clock", "TransferKind": "kinds",
-    "RankCoords": "topology", "ParallelGroups": "parallel.groups",
-    "Agreement": "parallel.agreement", "LocalAgreement": "parallel.agreement",
-    "PipelineAgreement": "parallel.pp_sync",
-    "HiCachePlugin": "hicache.plugin", "StorageAdapter": "storage.base", "open_storage": "storage.base",
-    "MemoryStorage": "storage.memory", "FileStorage": "storage.file",
-    "HiCacheError": "errors", "UsageError": "errors", "StorageError": "errors",
-    "SyncTimeout": "errors", "DivergenceError": "errors", "PoolExhausted": "errors",
-}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'hicache_async' has no attribute {name!r}")
-    return getattr(import_module(f".{_PUBLIC[name]}", __name__), name)
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    "api": ["KVPlugin", "EngineContext", "load_plugin"],
+    "request": ["Request"], "config": ["CacheConfig"], "layout": ["KVLayout"],
+    "pools": ["DevicePool", "HostPool"], "clock": ["OpClock"], "kinds": ["TransferKind"],
+    "topology": ["RankCoords"], "parallel.groups": ["ParallelGroups"],
+    "parallel.agreement": ["Agreement", "LocalAgreement"], "parallel.pp_sync": ["PipelineAgreement"],
+    "hicache.plugin": ["HiCachePlugin"], "storage.base": ["StorageAdapter", "open_storage"],
+    "storage.memory": ["MemoryStorage"], "storage.file": ["FileStorage"],
+    "errors": ["HiCacheError", "UsageError", "StorageError", "SyncTimeout", "DivergenceError", "PoolExhausted"],
+})
