@@ -42,15 +42,19 @@ class PageHistory:
         for h in hashes:
             self._backed_up.setdefault(_key(h), False)
 
-    def backed_up(self, hashes: list[str], ok: list[bool]) -> int:
-        """Note the pages now in L3; returns how many of them this run never cached (found in
-        L3 from before it)."""
+    def backed_up(self, hashes: list[str]) -> int:
+        """Note the pages of a retired backup (or prefetch) as in L3; returns how many of them
+        this run never cached (found in L3 from before it).
+
+        Every page of the op, whatever this rank's storage answered: what a rank's calls did
+        differs between ranks, and a prefetch asks for what every rank noted. A page some rank
+        failed to store is then read and found missing there, and the agreed MIN of what the
+        ranks read counts it as a miss on all of them."""
         earlier = 0
-        for h, stored in zip(hashes, ok):
-            if stored:
-                key = _key(h)
-                earlier += key not in self._backed_up
-                self._backed_up[key] = True
+        for h in hashes:
+            key = _key(h)
+            earlier += key not in self._backed_up
+            self._backed_up[key] = True
         return earlier
 
     def stored_run(self, hashes: list[str], first: int, probe: Callable[[list[str]], int]) -> int:

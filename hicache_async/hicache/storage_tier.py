@@ -144,7 +144,7 @@ class StorageTier:
         for op in backups:
             self.tree.lock_host(op.node, -1)
             if history is not None:
-                history.backed_up(op.hashes, getattr(op.result, "ok", []))
+                history.backed_up(op.hashes)
             self._count_errors(op)
         for op in prefetches:
             self.terminated += op.terminated
@@ -162,7 +162,7 @@ class StorageTier:
                                            op.salt)
             if self.cache.history is not None:
                 fetched = op.hashes[op.first_page: op.first_page + op.committed]
-                self.earlier_pages += self.cache.history.backed_up(fetched, [True] * len(fetched))
+                self.earlier_pages += self.cache.history.backed_up(fetched)
         self.host.alloc.release(unused)
         self._count_errors(op)
 
@@ -170,8 +170,9 @@ class StorageTier:
         failed = 1 if isinstance(op.result, Exception) else getattr(op.result, "errors", 0)
         if failed:
             self.errors += failed
-            log.warning("storage %s of %d pages had %d failed calls (%s); the cache carries on "
-                        "without those pages", op.kind, op.pages, failed, op.result)
+            cause = op.result if isinstance(op.result, Exception) else "failed objects"
+            log.warning("storage %s of %d pages had %d failures (%s); the cache carries on "
+                        "without those pages", op.kind, op.pages, failed, cause)
 
     # -- the owner's exit -------------------------------------------------------------------
 

@@ -130,7 +130,7 @@ def test_a_miss_is_named_by_what_became_of_its_page():
     a, b, c = "a" * 64, "b" * 64, "c" * 64
     history = PageHistory()
     history.inserted([a, b])
-    history.backed_up([a, b], [True, False])          # b's backup failed
+    history.backed_up([a])                            # no backup of b retired
     assert history.why_absent(c, l3=True) is Miss.STILL_COMPUTING
     assert history.why_absent(a, l3=False) is Miss.EVICTED
     assert history.why_absent(a, l3=True) is Miss.EVICTED_WHILE_WAITING

@@ -81,3 +81,27 @@ def test_an_ample_l3_serves_the_oracle_and_a_slow_one_says_why_it_does_not(tmp_p
     assert slow["oracle_captured"] < 0.5 and slow["tokens_from_l3"] < ample["tokens_from_l3"] / 2
     assert max(slow["lost_tokens"], key=slow["lost_tokens"].get) == "prefetch_declined_by_cost", slow["lost_tokens"]
     assert slow["ttft_ms_p90"] > ample["ttft_ms_p90"]
+
+
+def test_one_ranks_failing_storage_costs_hits_not_agreement(tmp_path):
+    """Rank 1's writes all fail while rank 0's succeed: the ranks still make the same choices
+    (what a prefetch may ask L3 for is what every rank's backups retired), so the replay runs
+    to the end, every page it serves verified, and its loss still accounted to the token."""
+    info = tmp_path / "one_rank_down-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: one-rank-down\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[hicache_async.storage]\ndown1 = tests.helpers.one_rank_down:WritesFailOnRank1\n")
+    repo = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), repo,
+                                                                      os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "hicache_async", "replay", TRACE, "--tp", "2", "--storage", "down1",
+                           *SMALL, *AMPLE_L3, "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["storage_errors"] > 0 and result["kv_mismatches"] == 0 and result["kv_verified_pages"] > 0
+    assert result["tokens_from_l3"] == 0 < result["tokens_from_l1"] + result["tokens_from_l2"], result
+    assert result["lost_tokens"].get("prefetch_cut_short", 0) > 0  # rank 1 read none: the agreed MIN is 0
+    _check_account(result)
