@@ -25,6 +25,7 @@ class CacheOp:
     host_pages: list[int] = field(default_factory=list)
     span: Any = None
     started: float = field(default_factory=time.perf_counter)
+    due_us: float = 0.0        # a modelled clock's completion stamp, set as the op is issued
 
     @property
     def done(self) -> CompletionEvent:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from weakref import WeakKeyDictionary
 
 from ...clock import OpClock
 from ...topology import RankCoords
@@ -28,7 +27,6 @@ class ModelledClock(OpClock):
     def __init__(self, virtual: VirtualClock, hardware: HardwareModel, coords: RankCoords, page_size: int) -> None:
         self.virtual, self.hardware, self.coords, self.page_size = virtual, hardware, coords, page_size
         self._link_free_us: dict[str, float] = {}       # link -> when it finishes its queue
-        self._due_us: WeakKeyDictionary = WeakKeyDictionary()
         self._events_us: list[float] = []               # dues and policy deadlines ahead
         self._loads_us = 0.0                            # when the loads issued since the last forward land
 
@@ -48,7 +46,7 @@ class ModelledClock(OpClock):
         busy_s, latency_s = self.hardware.transfer_s(kind, op.pages, self.coords, self.page_size)
         start = max(self.virtual.now_us, self._link_free_us.get(kind, 0.0))
         self._link_free_us[kind] = start + busy_s * 1e6
-        due = self._due_us[op] = start + (busy_s + latency_s) * 1e6
+        due = op.due_us = start + (busy_s + latency_s) * 1e6
         heapq.heappush(self._events_us, due)
         deadline = getattr(op, "deadline", math.inf)
         if deadline < math.inf:
@@ -57,7 +55,7 @@ class ModelledClock(OpClock):
             self._loads_us = max(self._loads_us, due)
 
     def due(self, op) -> bool:
-        return self.virtual.now_us >= self._due_us[op]
+        return self.virtual.now_us >= op.due_us
 
     def next_event_us(self) -> float:
         """The earliest modelled completion or policy deadline still ahead (inf: none)."""
