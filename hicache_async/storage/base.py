@@ -72,6 +72,11 @@ class StorageAdapter(ABC):
     takes_capacity: ClassVar[bool] = False
     """Whether `open_session` honours `capacity_bytes` (`--l3-capacity`)."""
 
+    lands_each: ClassVar[bool] = False
+    """Whether `batch_get_parts` fills objects one at a time, in order, and calls `landed` for
+    each before it writes any byte of the next: a caller may then hand it parts that reuse
+    memory across objects (a ring that stays in cache), freed as `landed` returns."""
+
     @classmethod
     def add_options(cls, group) -> None:
         """Add this backend's own command-line flags with `group.add_argument` (argparse's).

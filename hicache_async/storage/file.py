@@ -50,6 +50,7 @@ def object_name(key: str) -> str:
 
 class FileStorage(StorageAdapter):
     takes_capacity = True
+    lands_each = True
     add_options = staticmethod(file_session.add_options)
 
     @classmethod

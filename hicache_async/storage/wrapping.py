@@ -18,6 +18,10 @@ class WrappingStorage(StorageAdapter):
     def __init__(self, inner: StorageAdapter) -> None:
         self.inner = inner
 
+    @property
+    def lands_each(self) -> bool:
+        return self.inner.lands_each
+
     def _through(self, op: str, keys: list[str], call: Callable[[], T]) -> T:
         """Make one call of the inner adapter; `op` names it as the contract does."""
         return call()

@@ -18,6 +18,12 @@ checksummed on the transferring thread itself, just before it is written (so the
 reads it from cache) or right after it is read, while it sits in that core's cache: XXH3
 over 512 KiB costs ~12 us hot, ~37 us from memory.
 
+A read from an adapter that `lands_each` object in order streams through a ring instead:
+staging of RING_SLOTS groups, reused in turn, so the reader writes into cache and the
+checks read from it. There the work (a check and a copy into host pages, about what the
+read itself costs) runs on a thread beside the reader even on two cores (`landing_pool`),
+and the reader moves on to a slot only once the work of the group that used it is done.
+
 Either way the work runs beside a storage call that its caller may abandon (a deadline),
 while the call goes on. Work that reads or writes the caller's pages runs only while the
 caller still waits: `abandon` waits for work under way and stops any later work, atomically
@@ -29,7 +35,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Generic, TypeVar
 
 from ..config import CHECKSUM_WORKERS
@@ -39,8 +45,11 @@ T = TypeVar("T")
 GROUP_BYTES = 4 << 20    # pooled work is handed out in groups of about this many bytes...
 HOT_BYTES = 512 << 10    # ...inline work in groups that fit one core's L2 cache twice over
 AHEAD_BYTES = 8 << 20    # pooled headers run at most this far ahead of the writer
+RING_GROUP = 4 << 20     # a streamed read's groups: fewer hand-offs to the landing thread...
+RING_SLOTS = 2           # ...and its staging holds this many, reused in turn (8 MiB: in L3)
 
 _pool: ThreadPoolExecutor | None = None
+_landing: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
@@ -83,10 +92,37 @@ def checksum_pool() -> ThreadPoolExecutor | _Here:
         return _pool
 
 
-def groups(sizes: list[int]) -> list[range]:
-    """Consecutive index ranges of about GROUP_BYTES on a pool, HOT_BYTES inline (so each
-    group is checked while it is still in cache); the last may hold less."""
-    target = GROUP_BYTES if CHECKSUM_WORKERS else HOT_BYTES
+def landing_pool() -> ThreadPoolExecutor:
+    """Where a streamed read's groups are checked: the checksum workers, or on a machine
+    without them one thread of its own."""
+    global _landing
+    if CHECKSUM_WORKERS:
+        return checksum_pool()
+    with _pool_lock:
+        if _landing is None:
+            _landing = ThreadPoolExecutor(1, thread_name_prefix="hicache-landing")
+        return _landing
+
+
+def ring_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each item of a streamed read lands in its ring (group g in slot g % RING_SLOTS),
+    and the ring's bytes."""
+    layout = groups(sizes, RING_GROUP)
+    slot = max(sum(sizes[i] for i in group) for group in layout) if sizes else 0
+    offsets = []
+    for g, group in enumerate(layout):
+        at = (g % RING_SLOTS) * slot
+        for i in group:
+            offsets.append(at)
+            at += sizes[i]
+    return offsets, slot * min(RING_SLOTS, len(layout))
+
+
+def groups(sizes: list[int], target: int | None = None) -> list[range]:
+    """Consecutive index ranges of about `target` bytes: by default GROUP_BYTES on a pool,
+    HOT_BYTES inline (so each group is checked while it is still in cache); the last may
+    hold less."""
+    target = target or (GROUP_BYTES if CHECKSUM_WORKERS else HOT_BYTES)
     out, start, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n
@@ -189,25 +225,32 @@ class Behind(Generic[T]):
     no work of this batch is still touching its buffers, and late reports are ignored.
     """
 
-    def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T]) -> None:
+    def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T], streamed: bool = False) -> None:
+        """`streamed`: the items land in the ring of `ring_offsets`, so `landed` returns only
+        once the slot the reader fills next is free."""
         self._fence = _Fence()
         self._work = functools.partial(self._fence.run, work)
-        self._groups = groups(sizes)
+        self._groups = groups(sizes, RING_GROUP) if streamed else groups(sizes)
+        self._starts = {group.start: g for g, group in enumerate(self._groups)}
         self._got: list[int] = []
         self._futures: list[Future | _Done] = []
-        self._pool = checksum_pool()
+        self._pool = landing_pool() if streamed else checksum_pool()
+        self._streamed = streamed
         self._closed = False
         self._lock = threading.Lock()
 
     def landed(self, start: int, results: list[int]) -> None:
         with self._lock:
-            if self._closed or self._fence.closed or start != len(self._got):
-                return
-            self._got += results
-            groups, futures, got = self._groups, self._futures, self._got
-            while len(futures) < len(groups) and groups[len(futures)].stop <= len(got):
-                group = groups[len(futures)]
-                futures.append(self._pool.submit(self._work, group, got[group.start:group.stop]))
+            futures = self._futures
+            if not (self._closed or self._fence.closed) and start == len(self._got):
+                self._got += results
+                groups, got = self._groups, self._got
+                while len(futures) < len(groups) and groups[len(futures)].stop <= len(got):
+                    group = groups[len(futures)]
+                    futures.append(self._pool.submit(self._work, group, got[group.start:group.stop]))
+            reuse = self._starts.get(start + len(results), 0) - RING_SLOTS if self._streamed else -1
+        if 0 <= reuse < len(futures):     # the reader's next group fills this one's slot: not before its work
+            wait([futures[reuse]])
 
     def finish(self, results: list[int]) -> list[T]:
         """Every group's outcome, in order, for the call's `results`."""

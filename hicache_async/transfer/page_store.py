@@ -21,11 +21,15 @@ A storage call may outlive its caller's patience (`AbandonedCall`), and the host
 was for are then freed and handed to other KV. So a prefetch never reads into host pages:
 each call reads into a staging buffer it owns (`staging.py`), and verified objects are
 copied into the host pages, while still in cache, only as long as the caller waits for the
-call. A backup makes no header after its caller gave up, so bytes it reads late from pages
-that moved on fail their checksum: a miss, never another page's KV under this key.
+call. From an adapter that `lands_each` object in order, that buffer is a small ring the
+read streams through, checked and copied beside the reader (`checksums.py`). A backup makes
+no header after its caller gave up, so bytes it reads late from pages that moved on fail
+their checksum: a miss, never another page's KV under this key.
 """
 from __future__ import annotations
 
+import ctypes
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -41,7 +45,7 @@ from ..pools import HostPool, tensor_bytes
 from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
-from .checksums import Ahead, Behind
+from .checksums import Ahead, Behind, ring_offsets
 from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefix, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
@@ -231,7 +235,8 @@ class PageStore:
         dests = [[self._dest(host, pool, page, spec) for spec in page_specs]
                  for page, page_specs in zip(host_pages, specs)]
         page_bytes = sum(HEADER_BYTES + d.nbytes for d in dests[0])
-        per_call = max(1, min(PREFETCH_CHUNK_PAGES, STAGING_BYTES // page_bytes))
+        per_call = PREFETCH_CHUNK_PAGES if self.adapter.lands_each else \
+            max(1, min(PREFETCH_CHUNK_PAGES, STAGING_BYTES // page_bytes))
         for start in range(0, len(page_hashes), per_call):
             if cancel is not None and cancel.is_set():
                 break
@@ -246,24 +251,29 @@ class PageStore:
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], dests: list[list], tenant: bytes,
                     result: PrefetchResult) -> int:
-        """Read a run of pages in one call into staging, each object checked and copied to its
-        host page as it lands; the number of leading good pages. What an object is checked
-        against (its size, its header up to the checksum) is worked out before the call, so
-        what runs per object while the bytes stream in, evicting everything else from cache,
-        is one checksum, one compare and one copy from cache."""
+        """Read a run of pages in one call into staging (a ring when the adapter lands each
+        object in turn), each object checked and copied to its host page as it lands; the
+        number of leading good pages. What an object is checked against (its size, its header
+        up to the checksum) is worked out before the call, so what runs per object while the
+        bytes stream in, evicting everything else from cache, is one checksum, one compare
+        and one copy from cache."""
         per_page = len(specs[0])
         objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
                    for spec, dest in zip(page_specs, page_dests)]
         targets = [dest for _, dest in objects]
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
         prefixes = [expected_prefix(spec.key, spec, self.namespace, dest.nbytes, tenant) for spec, dest in objects]
+        streamed = self.adapter.lands_each
+        if streamed:
+            offsets, nbytes = ring_offsets(sizes)
+        else:
+            offsets, nbytes = list(itertools.accumulate(sizes, initial=0)), sum(sizes)
         try:
-            with self.staging.lease(sum(sizes)) as staging:
-                parts, at = [], 0
-                for n in sizes:
-                    parts.append((staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n]))
-                    at += n
-                behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets))
+            with self.staging.lease(nbytes) as staging:
+                parts = [(staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n])
+                         for at, n in zip(offsets, sizes)]
+                behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
+                                streamed)
                 try:
                     got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
                 except StorageError:
@@ -305,8 +315,14 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
         if n != sizes[i] or not intact(header, prefixes[i], payload):
             return ok, "corrupt"
         if isinstance(targets[i], memoryview):
-            targets[i][:] = payload
+            ctypes.memmove(_address(targets[i]), _address(payload), payload.nbytes)
         else:
             targets[i].copy_(torch.frombuffer(payload, dtype=targets[i].dtype).view(targets[i].shape))
         ok.append(n)
     return ok, None
+
+
+def _address(view: memoryview) -> int:
+    """A writable buffer's address: `ctypes.memmove` copies without holding the GIL, so the
+    reader runs on while a landing thread copies."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))

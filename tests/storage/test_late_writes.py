@@ -22,9 +22,11 @@ from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
+from hicache_async.storage.file import FileStorage
 from hicache_async.storage.guarded import GuardedStorage
 from hicache_async.storage.staging import StagingPool
 from hicache_async.transfer import checksums
+from hicache_async.transfer import page_store as page_store_module
 from hicache_async.transfer.page_store import PageStore
 from tests.helpers.engine_run import L3_WORKLOAD, assert_matches_reference
 from tests.helpers.slow_backend import SlowReads
@@ -183,3 +185,56 @@ def test_simulate_on_an_installed_slow_backend_matches_the_reference(tmp_path):
     assert result["outputs_match_reference"] and result["storage_errors"] > 0, result
     late = [int(line.split()[0]) for line in log.read_text().splitlines()]
     assert max(late) > 0                             # the bytes did come, late
+
+
+STREAM = KVLayout(num_layers=8, kv_heads=2, head_dim=64, page_size=16)   # 64 KiB pages
+STREAM_HASHES = page_hashes(range(160 * 16), 16)                         # 160 pages: 10 MiB
+
+
+def _streamed_store(tmp_path, adapter_class=FileStorage) -> tuple[PageStore, HostPool]:
+    """160 pages backed up to a file store, which streams its reads through a ring."""
+    host = HostPool(STREAM, 160)
+    host.tensor.normal_(generator=torch.Generator().manual_seed(3))
+    keys = make_key_scheme("rank-suffix", STREAM)
+    assert PageStore(FileStorage(str(tmp_path)), STREAM, keys).backup(STREAM_HASHES, host, list(range(160))).ok \
+        == [True] * 160
+    return PageStore(GuardedStorage(adapter_class(str(tmp_path)), FAST), STREAM, keys), host
+
+
+def test_a_streamed_read_waits_for_each_slot_of_its_ring_before_refilling_it(tmp_path, monkeypatch):
+    """The file store lands each object in order, so a prefetch reads through a ring of staging
+    far smaller than the read; checking and copying each group beside the reader is made slow
+    here, so a reader that refilled a slot before its group was copied would be caught."""
+    monkeypatch.setattr(checksums, "RING_GROUP", 1 << 20)      # 16 pages a slot: the ring turns 5 times
+    land = page_store_module._land
+
+    def slow_land(*args):
+        time.sleep(0.01)
+        return land(*args)
+    monkeypatch.setattr(page_store_module, "_land", slow_land)
+    store, host = _streamed_store(tmp_path)
+    reader = HostPool(STREAM, 160)
+    got = store.prefetch(STREAM_HASHES, reader, list(range(160)))
+    assert (got.pages, got.corrupt) == (160, 0) and torch.equal(reader.tensor, host.tensor)
+    assert store.staging.buffer_bytes <= 4 << 20                # a ring, not the read's 10 MiB
+
+
+class SlowFile(FileStorage):
+    """The real file store, each object's read 20 ms slow (a busy drive)."""
+
+    def _read(self, *args):
+        time.sleep(0.02)
+        return super()._read(*args)
+
+
+def test_a_streamed_read_given_up_on_copies_nothing_into_host_pages_after(tmp_path):
+    store, host = _streamed_store(tmp_path, SlowFile)           # 3.2 s of reads against a 0.3 s deadline
+    reader = HostPool(STREAM, 160)
+    got = store.prefetch(STREAM_HASHES, reader, list(range(160)))
+    assert (got.pages, got.errors) == (0, 1)
+    at_give_up = reader.tensor.clone()                          # what landed while the caller waited
+    assert store.counters.quarantined_bytes > 0                 # the reader goes on, into its own ring
+    _until(lambda: store.counters.quarantined_bytes == 0, "the abandoned read's return")
+    assert torch.equal(reader.tensor, at_give_up)               # nothing copied into the pages since
+    got = PageStore(FileStorage(str(tmp_path)), STREAM, store.keys).prefetch(STREAM_HASHES, reader, list(range(160)))
+    assert got.pages == 160 and torch.equal(reader.tensor, host.tensor)

@@ -116,11 +116,12 @@ class MooncakeStorage(MooncakeClient):
 
         A part outside registered memory goes through this thread's staging buffer: each copy
         is (the part's address, or the part itself when read-only; offset in staging; bytes),
-        and parts that are neighbours in memory (a batch's headers) share one copy.
+        and parts that are neighbours in memory (a batch's headers) share one copy. Parts of an
+        object that are neighbours in one registered region move as one buffer.
         """
         ptrs, sizes, slots, copies, need = [], [], [], [], 0
         for ps in parts:
-            row, row_sizes = [], []
+            row, row_sizes, joinable = [], [], False
             for p in ps:
                 view = memoryview(p).cast("B")
                 ptr, n = _address(view), view.nbytes
@@ -132,6 +133,12 @@ class MooncakeStorage(MooncakeClient):
                     else:
                         copies.append((ptr if ptr is not None else view, need, n))
                     need += n
+                    joinable = False
+                elif joinable and row[-1] + row_sizes[-1] == ptr and self._pinned(row[-1], row_sizes[-1] + n):
+                    row_sizes[-1] += n      # neighbours in one pinned region (a read's staged header and
+                    continue                # payload): one buffer for the transfer engine, not two
+                else:
+                    joinable = True
                 row.append(ptr)
                 row_sizes.append(n)
             ptrs.append(row)
