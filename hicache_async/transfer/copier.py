@@ -1,16 +1,19 @@
 """Moves pages between the device pool (L1) and the host pool (L2), one event per layer.
 
-Each layer of an op is one gather or scatter over the page dimension, whatever the page
-pattern: a page of a layer is one contiguous slab in both pools, so the index kernels copy
-whole slabs. On CUDA the kernels run on dedicated copy streams, read and write the pinned
-host pool in place (unified addressing), and complete on `torch.cuda.Event`s; on CPU a
-single worker thread does them in FIFO order and sets host-side events. Either way the
-caller gets the same per-layer events and goes through the same ack queues.
+On CUDA each layer of an op is one gather or scatter kernel (`index_plan`) on a dedicated
+copy stream, reading and writing the pinned host pool in place (unified addressing), and
+completes on a `torch.cuda.Event`. On CPU a worker thread takes the ops in FIFO order and
+sets host-side events. Big slabs move as strided copies of page runs a group of layers at
+a time (`run_plan`), the copies of each group shared with a helper thread: one thread
+moves little more than half of what `tensor.copy_` does on two, and the copies release
+the GIL. A group's events are set once both threads are done with it. Small slabs, where a call per run
+would cost more than the bytes, go through the index kernels a layer at a time. Either way
+the caller gets the same per-layer events and goes through the same ack queues.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -18,75 +21,12 @@ from .. import faults
 from ..errors import HiCacheError
 from ..events import CompletionEvent, CudaEvent, HostEvent
 from ..pools import DevicePool, HostPool
-
-# Slabs move as the widest word that divides them: the index kernels copy one element at a
-# time, so wider elements are fewer steps (complex128 copies bits exactly, like an integer).
-_WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-_STAGE_BYTES = 16 << 20     # the most a layer stages at once, when neither side is a run
+from .index_plan import IndexPlan, slab_rows
+from .run_plan import Copy, RunPlan
 
 
 class CopyFailed(HiCacheError):
     """A layer copy raised: its op's events complete with this error instead of hanging."""
-
-
-@dataclass(frozen=True)
-class PagePlan:
-    """Which slabs one op moves, built once per op and replayed on every layer.
-
-    When one side's pages, in some order of the pairs, are one consecutive run, a layer is
-    one pass: a gather straight into the destination run, or a scatter straight from the
-    source run. Otherwise it is a gather into `stage` and a scatter out of it, a stage's
-    worth of pages at a time (a bounded stage: device memory is the KV pool's).
-    """
-
-    src: torch.Tensor                 # source page of each slab
-    dst: torch.Tensor                 # its destination page
-    src_run: slice | None = None      # the sources are these pages in this order
-    dst_run: slice | None = None      # the destinations are
-    stage: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, src_pages: list[int], dst_pages: list[int], rows: torch.Tensor) -> PagePlan:
-        """`rows`: one layer's (pages, words) view of either pool, for device and shape."""
-        by_dst, by_src = sorted(zip(dst_pages, src_pages)), sorted(zip(src_pages, dst_pages))
-        dst_run, src_run = _run([d for d, _ in by_dst]), _run([s for s, _ in by_src])
-        if dst_run is not None:
-            return cls(_index([s for _, s in by_dst], rows), _index([], rows), dst_run=dst_run)
-        if src_run is not None:
-            return cls(_index([], rows), _index([d for _, d in by_src], rows), src_run=src_run)
-        if not src_pages:
-            return cls(_index([], rows), _index([], rows))
-        pages = min(len(src_pages), max(1, _STAGE_BYTES // (rows.shape[1] * rows.element_size())))
-        stage = torch.empty((pages, rows.shape[1]), dtype=rows.dtype, device=rows.device)
-        return cls(_index(src_pages, rows), _index(dst_pages, rows), stage=stage)
-
-    @property
-    def dst_pages(self) -> slice | torch.Tensor:
-        return self.dst_run if self.dst_run is not None else self.dst
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """One layer: row p of `src` is page p's slab of that layer in the source pool."""
-        if self.dst_run is not None:
-            torch.index_select(src, 0, self.src, out=dst[self.dst_run])
-        elif self.src_run is not None:
-            dst.index_copy_(0, self.dst, src[self.src_run])
-        elif self.stage is not None:
-            size = len(self.stage)
-            for s, d in zip(self.src.split(size), self.dst.split(size)):
-                dst.index_copy_(0, d, torch.index_select(src, 0, s, out=self.stage[:len(s)]))
-
-
-def _run(pages: list[int]) -> slice | None:
-    """The pages as a slice if they are consecutive ascending pages (and at least one)."""
-    if pages and pages == list(range(pages[0], pages[0] + len(pages))):
-        return slice(pages[0], pages[0] + len(pages))
-    return None
-
-
-def _index(pages: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """Page indices on the rows' device; on CUDA the copy is queued on the current stream."""
-    cpu = torch.tensor(pages, dtype=torch.int64, pin_memory=rows.is_cuda)
-    return cpu.to(rows.device, non_blocking=True)
 
 
 class Copier:
@@ -95,15 +35,17 @@ class Copier:
         self.layers = device.layout.num_layers
         self.cuda = device.tensor.is_cuda
         self.fault = faults.injected()
-        word = next(w for w in _WORDS if device.layout.layer_page_bytes % w.itemsize == 0)
         host_tensor = _mapped(host.tensor, device.tensor.device) if self.cuda else host.tensor
-        # Per layer, a (pages, words) view: page p of layer l is row p.
-        self._slabs = {"device": _rows(device.tensor, word).unbind(0),
-                       "host": _rows(host_tensor.transpose(0, 1), word).unbind(0)}
+        # Both pools as (layers, pages, words): page p of layer l is the slab [l, p] on either side;
+        # and, for the index kernels, each layer's (pages, words) view.
+        slab = device.layout.layer_page_bytes
+        self._slabs = {"device": slab_rows(device.tensor, slab), "host": slab_rows(host_tensor.transpose(0, 1), slab)}
+        self._layer_slabs = {side: slabs.unbind(0) for side, slabs in self._slabs.items()}
         if self.cuda:
             self._streams = {"write": torch.cuda.Stream(), "load": torch.cuda.Stream()}
         else:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hicache-copy")
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="hicache-copy-helper")
 
     def write(self, device_pages: list[int], host_pages: list[int]) -> list[CompletionEvent]:
         """Device -> host. Returns one event per layer (the last one means all done)."""
@@ -118,6 +60,7 @@ class Copier:
     def close(self) -> None:
         if not self.cuda:
             self._worker.shutdown(wait=True)
+            self._helper.shutdown(wait=True)
 
     def _run(self, kind: str, src_pages: list[int], dst_pages: list[int]) -> list[CompletionEvent]:
         if not self.cuda:
@@ -129,44 +72,97 @@ class Copier:
         stream.wait_stream(torch.cuda.current_stream())
         cuda_events: list[CompletionEvent] = []
         with torch.cuda.stream(stream):
-            pages = self._plan(src_pages, dst_pages)
+            pages = self._index_plan(src_pages, dst_pages)
             for layer in range(self.layers):
                 self._copy_layer(kind, layer, pages)
                 cuda_events.append(CudaEvent(stream))
         return cuda_events
 
-    def _plan(self, src_pages: list[int], dst_pages: list[int]) -> PagePlan:
-        return PagePlan.of(src_pages, dst_pages, self._slabs["device"][0])
+    def _index_plan(self, src_pages: list[int], dst_pages: list[int]) -> IndexPlan:
+        return IndexPlan.of(src_pages, dst_pages, self._layer_slabs["device"][0])
 
     def _copy_layers(self, kind: str, src_pages: list[int], dst_pages: list[int],
                      events: list[HostEvent]) -> None:
-        """The worker's side of a CPU op: plans it off the scheduler's thread, then layer by layer."""
-        layer = 0
+        """The worker's side of a CPU op: plans it off the scheduler's thread, then sets each
+        group's events as soon as its layers have landed."""
+        done = 0
         try:
-            pages = self._plan(src_pages, dst_pages)
-            for layer, event in enumerate(events):
-                if kind == "write" and self.fault == "copy-error":
-                    self.fault = None
-                    raise RuntimeError(f"injected fault ({faults.ENV}=copy-error)")
-                self._copy_layer(kind, layer, pages)
-                event.set()
+            for landed in self._groups(kind, src_pages, dst_pages):
+                for layer in landed:
+                    events[layer].set()
+                done = landed.stop
         except Exception as exc:  # noqa: BLE001 - a failed copy must complete its events
-            error = CopyFailed(f"layer {layer} copy failed: {type(exc).__name__}: {exc}")
-            for later in events[layer:]:
+            error = CopyFailed(f"layer {done} copy failed: {type(exc).__name__}: {exc}")
+            for later in events[done:]:
                 later.fail(error)
 
-    def _copy_layer(self, kind: str, layer: int, pages: PagePlan) -> None:
-        src, dst = ("device", "host") if kind == "write" else ("host", "device")
-        pages.move(self._slabs[src][layer], self._slabs[dst][layer])
+    def _groups(self, kind: str, src_pages: list[int], dst_pages: list[int]) -> Iterator[range]:
+        """Copies the op, yielding each range of layers once its bytes have landed."""
+        for side, pages in zip(_SIDES[kind], (src_pages, dst_pages)):
+            count = self._slabs[side].shape[1]      # a run's slice past the end would quietly shrink
+            if pages and not 0 <= min(pages) <= max(pages) < count:
+                raise IndexError(f"{side} pages {min(pages)}..{max(pages)} outside the pool's {count}")
+        runs = RunPlan.of(src_pages, dst_pages, self._slabs["device"])
+        if runs is not None:
+            yield from self._run_groups(kind, runs, dst_pages)
+            return
+        pages = self._index_plan(src_pages, dst_pages)
+        for layer in range(self.layers):
+            self._check_copy_error(kind)
+            self._copy_layer(kind, layer, pages)
+            yield range(layer, layer + 1)
+
+    def _run_groups(self, kind: str, runs: RunPlan, dst_pages: list[int]) -> Iterator[range]:
+        """The run copies of each group, taken by this thread and the helper from one list, so
+        whichever is free takes the next; a group has landed when both are done with it."""
+        src, dst = (self._slabs[side] for side in _SIDES[kind])
+        groups = [range(first, min(first + runs.group, self.layers)) for first in range(0, self.layers, runs.group)]
+        shared = [iter(runs.copies(group)) for group in groups]
+        theirs = [Future() for _ in groups]
+        helper = self._helper.submit(_move_share, src, dst, shared, theirs)
+        try:
+            for group, copies, their_part in zip(groups, shared, theirs):
+                self._check_copy_error(kind)
+                RunPlan.move(src, dst, copies)
+                their_part.result()
+                self._add_noise(kind, group, dst_pages)
+                yield group
+        finally:        # the next op must not start under the helper's feet
+            for future in theirs:
+                future.cancel()
+            helper.result()
+
+    def _check_copy_error(self, kind: str) -> None:
+        if kind == "write" and self.fault == "copy-error":
+            self.fault = None
+            raise RuntimeError(f"injected fault ({faults.ENV}=copy-error)")
+
+    def _copy_layer(self, kind: str, layer: int, pages: IndexPlan) -> None:
+        src, dst = _SIDES[kind]
+        pages.move(self._layer_slabs[src][layer], self._layer_slabs[dst][layer])
+        self._add_noise(kind, range(layer, layer + 1), pages.dst_pages)
+
+    def _add_noise(self, kind: str, layers: range, landed: slice | torch.Tensor | list[int]) -> None:
         if kind == "load" and self.fault == "noise-load":
-            kv, landed = self.device.tensor[layer], pages.dst_pages
-            kv[landed] *= 1 + 1e-3 * torch.randn_like(kv[landed])
+            kv = self.device.tensor[layers.start:layers.stop]
+            kv[:, landed] *= 1 + 1e-3 * torch.randn_like(kv[:, landed])
 
 
-def _rows(pool: torch.Tensor, word: torch.dtype) -> torch.Tensor:
-    """(layers, pages, ...) -> (layers, pages, words): one row per slab, as `word`s."""
-    layers, pages = pool.shape[:2]
-    return pool.view(layers, pages, -1).view(word)     # views only: a copy would lose the writes
+def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[Iterator[Copy]], landed: list[Future]) -> None:
+    """The helper's side: takes copies of each group in order, completing the group's future
+    once the copies it took have landed; stops at a failure or at a group its op gave up on."""
+    for copies, future in zip(shared, landed):
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            RunPlan.move(src, dst, copies)
+        except Exception as exc:  # noqa: BLE001 - the worker raises it for the op
+            future.set_exception(exc)
+            return
+        future.set_result(None)
+
+
+_SIDES = {"write": ("device", "host"), "load": ("host", "device")}
 
 
 class _CudaArray:

@@ -21,10 +21,12 @@ PATTERNS = {
     "scattered to a run": ([11, 0, 6, 3], [4, 5, 6, 7]),
     "a run to scattered": ([4, 5, 6, 7], [11, 0, 6, 3]),
 }
-# Slabs of 256 bytes (moved as 16-byte words) and of 6 bytes (moved as 2-byte words).
+# Slabs of 256 bytes (moved as 16-byte words) and of 6 bytes (moved as 2-byte words): small
+# enough for the index kernels on CPU; slabs of 32 KiB, which the CPU moves as run copies.
 LAYOUTS = {
     "wide": KVLayout(num_layers=3, kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16),
     "odd": KVLayout(num_layers=2, kv_heads=1, head_dim=3, page_size=1, dtype=torch.bfloat16, attention="mla"),
+    "big": KVLayout(num_layers=4, kv_heads=8, head_dim=64, page_size=16, dtype=torch.float16),
 }
 
 
@@ -41,25 +43,31 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def assert_round_trip(layout: KVLayout, device_pages: list[int], host_pages: list[int], device: str) -> None:
     """Write then load the pattern; the reference is built page by page with plain indexing."""
     dev, host = DevicePool(layout, POOL_PAGES, device=device), HostPool(layout, POOL_PAGES)
+    copier = Copier(dev, host)
+    try:
+        assert_moves_exactly(copier, device_pages, host_pages)
+    finally:
+        copier.close()
+
+
+def assert_moves_exactly(copier: Copier, device_pages: list[int], host_pages: list[int]) -> None:
+    """Both directions through `copier`, over random bits, against page-by-page references."""
+    dev, host, layout = copier.device, copier.host, copier.device.layout
     gen = torch.Generator().manual_seed(len(device_pages))
     _random_bits(dev.tensor, gen)
     _random_bits(host.tensor, gen)
-    copier = Copier(dev, host)
-    try:
-        expected = host.tensor.clone()
-        for d, h in zip(device_pages, host_pages):
-            expected[h] = dev.tensor[:, d].cpu()
-        _wait_all(copier.write(device_pages, host_pages), layout)
-        assert _same_bytes(host.tensor, expected), "write"
+    expected = host.tensor.clone()
+    for d, h in zip(device_pages, host_pages):
+        expected[h] = dev.tensor[:, d].cpu()
+    _wait_all(copier.write(device_pages, host_pages), layout)
+    assert _same_bytes(host.tensor, expected), "write"
 
-        _random_bits(host.tensor, gen)          # new bytes, so a load that moved nothing fails
-        expected = dev.tensor.cpu().clone()
-        for d, h in zip(device_pages, host_pages):
-            expected[:, d] = host.tensor[h]
-        _wait_all(copier.load(host_pages, device_pages), layout)
-        assert _same_bytes(dev.tensor, expected), "load"
-    finally:
-        copier.close()
+    _random_bits(host.tensor, gen)          # new bytes, so a load that moved nothing fails
+    expected = dev.tensor.cpu().clone()
+    for d, h in zip(device_pages, host_pages):
+        expected[:, d] = host.tensor[h]
+    _wait_all(copier.load(host_pages, device_pages), layout)
+    assert _same_bytes(dev.tensor, expected), "load"
 
 
 def _wait_all(events, layout: KVLayout) -> None:

@@ -1,0 +1,80 @@
+"""Strided copies of page runs, a group of layers at a time: how the CPU moves big slabs.
+
+The index kernels copy a slab element by element; `Tensor.copy_` of a strided view moves
+whole rows with vector loads and stores. A run is a stretch of consecutive source pages
+going to consecutive destination pages, so a run's slabs over a span of layers are one
+strided view on either side: one `copy_`. A call has a fixed cost, so a span holds enough
+layers for a copy to move `_CALL_WORDS` words (one layer when runs are long), and long runs
+are cut into pieces of that size. No bigger: torch splits a bigger copy over its intra-op
+threads, and the copier runs two threads of its own (copies forking torch's threads from
+the copier's thread were what kept an earlier version of this plan at 0.4-0.5x
+`tensor.copy_`). Events are set a group of layers at a time, a group moving at least
+`_GROUP_BYTES`, as the two threads meet once per group. When even all the layers of an
+average run are under `_RUN_BYTES`, the calls would cost more than the bytes and the index
+kernels win.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_CALL_WORDS = 32768     # torch's grain size: a copy of no more elements stays on its thread
+_RUN_BYTES = 32 << 10   # below this a run copy costs more than the index kernels
+_GROUP_BYTES = 4 << 20  # the least a group of layers moves: the threads meet once per group
+
+Piece = tuple[int, int, int]            # first source page, first destination page, pages
+Copy = tuple[slice, int, int, int]      # a piece over a span of layers
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The op's runs cut into pieces; how many layers one copy spans, and how many layers
+    complete together (a multiple of the span, or all of them)."""
+
+    pieces: tuple[Piece, ...]
+    span: int
+    group: int
+
+    @classmethod
+    def of(cls, src_pages: list[int], dst_pages: list[int], slabs: torch.Tensor) -> RunPlan | None:
+        """`slabs`: either pool as (layers, pages, words). None when the runs are too short
+        for copies to beat the index kernels."""
+        layers, _, words = slabs.shape
+        runs = _runs(src_pages, dst_pages)
+        if not runs:
+            return cls((), layers, layers)
+        run_words = max(1, words * len(src_pages) // len(runs))     # one layer of an average run
+        if run_words * layers * slabs.element_size() < _RUN_BYTES:
+            return None
+        span = max(1, min(layers, _CALL_WORDS // run_words))
+        layer_bytes = words * len(src_pages) * slabs.element_size()
+        group = min(layers, span * -(-_GROUP_BYTES // (span * layer_bytes)))
+        step = max(1, _CALL_WORDS // (span * words))                 # pages per piece
+        return cls(tuple((s + i, d + i, min(step, n - i)) for s, d, n in runs for i in range(0, n, step)),
+                   span, group)
+
+    def copies(self, layers: range) -> list[Copy]:
+        """A group's copies: every piece over each span of its layers."""
+        spans = [slice(first, min(first + self.span, layers.stop))
+                 for first in range(layers.start, layers.stop, self.span)]
+        return [(span, *piece) for span in spans for piece in self.pieces]
+
+    @staticmethod
+    def move(src: torch.Tensor, dst: torch.Tensor, copies: Iterator[Copy]) -> None:
+        """Takes copies until there are none left; two threads may share the iterator (a
+        list's: each copy is taken once). `src` and `dst` are (layers, pages, words)."""
+        for layers, s, d, n in copies:
+            dst[layers, d:d + n].copy_(src[layers, s:s + n])
+
+
+def _runs(src_pages: list[int], dst_pages: list[int]) -> list[Piece]:
+    """Pairs in source order, merged while both sides stay consecutive."""
+    runs: list[list[int]] = []
+    for s, d in sorted(zip(src_pages, dst_pages)):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
