@@ -17,6 +17,7 @@ from hicache_async.transfer import checksums
 from hicache_async.transfer.objects import HEADER_BYTES, encode_header
 from hicache_async.transfer.page_store import PageStore
 from tests.helpers.layouts import rank_layout
+from tests.helpers.round_trips import assert_concurrent_round_trips
 
 LAYOUT = rank_layout(RankCoords())
 
@@ -159,15 +160,6 @@ def test_unreachable_master_fails_fast():
 
 
 def test_concurrent_calls_from_a_thread_pool(mooncake_storage):
-    from concurrent.futures import ThreadPoolExecutor
-
     store = PageStore(mooncake_storage, LAYOUT, make_key_scheme("unified", LAYOUT, RankCoords(), 2))
-    host = _host(seed=3)
     batches = [page_hashes(range(5000 + 100 * b, 5000 + 100 * b + 16), 4) for b in range(6)]
-    with ThreadPoolExecutor(3) as pool:
-        assert all(r.ok == [True] * 4 for r in pool.map(lambda b: store.backup(b, host, [0, 1, 2, 3]), batches))
-    readers = [HostPool(LAYOUT, 4) for _ in batches]
-    with ThreadPoolExecutor(3) as pool:
-        pages = list(pool.map(lambda i: store.prefetch(batches[i], readers[i], [0, 1, 2, 3]).pages, range(6)))
-    assert pages == [4] * 6
-    assert all(torch.equal(r.tensor, host.tensor[:4]) for r in readers)
+    assert_concurrent_round_trips(store, _host(seed=3), batches, 3)

@@ -1,5 +1,4 @@
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from hicache_async.topology import RankCoords
 from hicache_async.transfer.page_store import PageStore
 from tests.helpers.fake_storages import DownStorage
 from tests.helpers.layouts import TOTAL_HEADS, TOTAL_LAYERS, grid, rank_layout
+from tests.helpers.round_trips import assert_concurrent_round_trips
 
 PAGES = 5
 HASHES = page_hashes(range(PAGES * 4), 4)
@@ -166,12 +166,5 @@ def test_concurrent_backups_and_prefetches(tmp_path):
     host = HostPool(layout, 32)
     host.tensor.copy_(torch.randn(host.tensor.shape))
     store = PageStore(FileStorage(str(tmp_path)), layout, make_key_scheme("unified", layout, RankCoords()))
-    batches = [page_hashes(range(1000 * b, 1000 * b + 16), 4) for b in range(8)]
-    with ThreadPoolExecutor(4) as pool:
-        assert all(r.ok == [True] * 4 for r in pool.map(lambda b: store.backup(b, host, [0, 1, 2, 3]), batches))
-    readers = [HostPool(layout, 4) for _ in batches]
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda i: store.prefetch(batches[i], readers[i], [0, 1, 2, 3]).pages, range(8)))
-    assert got == [4] * 8
-    assert all(torch.equal(r.tensor, host.tensor[:4]) for r in readers)
+    assert_concurrent_round_trips(store, host, [page_hashes(range(1000 * b, 1000 * b + 16), 4) for b in range(8)], 4)
     assert store.counters.bytes_read == store.counters.bytes_written
