@@ -6,9 +6,10 @@ completes on a `torch.cuda.Event`. On CPU a worker thread takes the ops in FIFO 
 sets host-side events. Big slabs move as strided copies of page runs a group of layers at
 a time (`run_plan`), the copies of each group shared with a helper thread: one thread
 moves little more than half of what `tensor.copy_` does on two, and the copies release
-the GIL. A group's events are set once both threads are done with it. Small slabs, where a call per run
-would cost more than the bytes, go through the index kernels a layer at a time. Either way
-the caller gets the same per-layer events and goes through the same ack queues.
+the GIL. A group's events are set once both threads are done with it. Small slabs, where
+a call per run would cost more than the bytes, go through the index kernels a layer at a
+time. Either way the caller gets the same per-layer events and goes through the same ack
+queues.
 """
 from __future__ import annotations
 
