@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -90,19 +91,25 @@ def test_readers_never_see_a_partial_object(tmp_path):
     fs = FileStorage(str(tmp_path))
     versions = [bytes([v]) * 200_000 for v in range(4)]
     fs.batch_set(["k"], [versions[0]])
-    stop, seen = threading.Event(), set()
+    stop, seen, reads = threading.Event(), set(), [0]
 
     def reader():
         while not stop.is_set():
             seen.add(_get(fs, "k", 200_000))
+            reads[0] += 1
 
     t = threading.Thread(target=reader)
     t.start()
-    for i in range(40):
-        os.unlink(tmp_path / "k" / "k")       # so that every write really writes
-        fs.batch_set(["k"], [versions[i % 4]])
-    stop.set()
-    t.join(timeout=30)
+    try:
+        for i in range(40):
+            os.unlink(tmp_path / "k" / "k")       # so that every write really writes
+            fs.batch_set(["k"], [versions[i % 4]])
+            before, deadline = reads[0], time.monotonic() + 5
+            while reads[0] < before + 2 and time.monotonic() < deadline:   # a read that starts after this write
+                time.sleep(0.001)
+    finally:
+        stop.set()
+        t.join(timeout=30)
     assert seen <= set(versions) | {MISSING}
     assert seen - {MISSING}, "the reader never saw a whole object"
 
