@@ -29,14 +29,16 @@ def test_the_unfaulted_run_is_served_by_every_tier_and_verified(tmp_path):
     assert out["kv_mismatches"] == 0 and out["kv_verified_pages"] > 0
 
 
-@pytest.mark.parametrize("fault,tier", [("swap-load-pages", "l2"), ("noise-load", "l2"),
-                                        ("corrupt-stored", "l3")])
-def test_wrong_kv_fails_the_run_naming_the_mismatch(fault, tier, tmp_path):
+# A load fault hits whatever an L2 -> L1 load serves: pages from L2, and pages prefetched from
+# L3 (they reach L1 through the same load); which one the run meets first is a matter of timing.
+@pytest.mark.parametrize("fault,tiers", [("swap-load-pages", ("l2", "l3")), ("noise-load", ("l2", "l3")),
+                                         ("corrupt-stored", ("l3",))])
+def test_wrong_kv_fails_the_run_naming_the_mismatch(fault, tiers, tmp_path):
     done = _simulate(fault, "--json", str(tmp_path / "out.json"))
     assert done.returncode == 1, done.stdout + done.stderr
     error = done.stderr.strip().splitlines()[-1]
     assert "Traceback" not in done.stderr
-    assert "KV mismatch in request" in error and f"served from {tier}" in error, error
+    assert "KV mismatch in request" in error and any(f"served from {t} " in error for t in tiers), error
     assert json.loads((tmp_path / "out.json").read_text())["kv_mismatches"] > 0
 
 
