@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.installed_backend import installed_backend_env
+
 TRACE = str(Path(__file__).parents[1] / "data" / "short_trace.jsonl")
 SMALL = ["--device-pages", "40", "--host-pages", "64", "--timeout", "60"]
 # Only these may differ between two replays of one trace with the same flags.
@@ -87,14 +89,7 @@ def test_one_ranks_failing_storage_costs_hits_not_agreement(tmp_path):
     """Rank 1's writes all fail while rank 0's succeed: the ranks still make the same choices
     (what a prefetch may ask L3 for is what every rank's backups retired), so the replay runs
     to the end, every page it serves verified, and its loss still accounted to the token."""
-    info = tmp_path / "one_rank_down-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: one-rank-down\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[hicache_async.storage]\ndown1 = tests.helpers.one_rank_down:WritesFailOnRank1\n")
-    repo = str(Path(__file__).parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), repo,
-                                                                      os.environ.get("PYTHONPATH")]))}
+    env = installed_backend_env(tmp_path, "down1", "tests.helpers.one_rank_down:WritesFailOnRank1")
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, "-m", "hicache_async", "replay", TRACE, "--tp", "2", "--storage", "down1",
                            *SMALL, *AMPLE_L3, "--json", str(out)],

@@ -6,7 +6,6 @@ the call really returns, then goes back to the pool. A backup makes no header af
 caller gave up. All of it against a third party's backend that implements only the abstract
 methods (`tests/helpers/slow_backend.py`), in process and installed for a real `simulate`."""
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from hicache_async.transfer import checksums
 from hicache_async.transfer import page_store as page_store_module
 from hicache_async.transfer.page_store import PageStore
 from tests.helpers.engine_run import L3_WORKLOAD, assert_matches_reference
+from tests.helpers.installed_backend import installed_backend_env
 from tests.helpers.slow_backend import SlowReads
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
@@ -162,17 +162,8 @@ def test_a_run_on_a_backend_whose_reads_outlive_their_deadline_keeps_every_page_
     assert len(held_when_late) == slow.late_reads and all(held_when_late)   # quarantined meanwhile
 
 
-ENTRY_POINTS = "[hicache_async.storage]\nslow = tests.helpers.slow_backend:SlowReads\n"
-
-
 def test_simulate_on_an_installed_slow_backend_matches_the_reference(tmp_path):
-    info = tmp_path / "slow_backend-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slow-backend\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), repo,
-                                                                      os.environ.get("PYTHONPATH")]))}
+    env = installed_backend_env(tmp_path, "slow", "tests.helpers.slow_backend:SlowReads")
     log, out = tmp_path / "late.log", tmp_path / "out.json"
     done = subprocess.run(
         [sys.executable, "-m", "hicache_async", "simulate", "--storage", "slow", "--slow-log", str(log),

@@ -12,8 +12,8 @@ import pytest
 from hicache_async.app.cli import main
 from hicache_async.errors import StorageError
 from hicache_async.storage.base import storage_backend
+from tests.helpers.installed_backend import installed_backend_env
 
-ENTRY_POINTS = "[hicache_async.storage]\nvault = vault_backend:VaultStorage\n"
 BACKEND = '''
 import contextlib
 import os
@@ -44,12 +44,8 @@ class VaultStorage(MemoryStorage):
 def _installed(tmp_path) -> dict:
     """An environment where a package `vault-backend` is installed: its module and its dist-info."""
     (tmp_path / "vault_backend.py").write_text(BACKEND)
-    info = tmp_path / "vault_backend-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vault-backend\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
-    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    return {**installed_backend_env(tmp_path, "vault", "vault_backend:VaultStorage"),
+            "XDG_CACHE_HOME": str(tmp_path / "xdg")}
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
