@@ -19,7 +19,7 @@ reads it from cache) or right after it is read, while it sits in that core's cac
 over 512 KiB costs ~12 us hot, ~37 us from memory.
 
 A read from an adapter that `lands_each` object in order streams through a ring instead:
-staging of RING_SLOTS groups, reused in turn, so the reader writes into cache and the
+staging of RING_SLOTS groups (`Behind.offsets`), reused in turn, so the reader writes into cache and the
 checks read from it. There the work (a check and a copy into host pages, about what the
 read itself costs) runs on a thread beside the reader even on two cores (`landing_pool`),
 and the reader moves on to a slot only once the work of the group that used it is done.
@@ -33,6 +33,7 @@ copied into them.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -102,20 +103,6 @@ def landing_pool() -> ThreadPoolExecutor:
         if _landing is None:
             _landing = ThreadPoolExecutor(1, thread_name_prefix="hicache-landing")
         return _landing
-
-
-def ring_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Where each item of a streamed read lands in its ring (group g in slot g % RING_SLOTS),
-    and the ring's bytes."""
-    layout = groups(sizes, RING_GROUP)
-    slot = max(sum(sizes[i] for i in group) for group in layout) if sizes else 0
-    offsets = []
-    for g, group in enumerate(layout):
-        at = (g % RING_SLOTS) * slot
-        for i in group:
-            offsets.append(at)
-            at += sizes[i]
-    return offsets, slot * min(RING_SLOTS, len(layout))
 
 
 def groups(sizes: list[int], target: int | None = None) -> list[range]:
@@ -226,10 +213,11 @@ class Behind(Generic[T]):
     """
 
     def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T], streamed: bool = False) -> None:
-        """`streamed`: the items land in the ring of `ring_offsets`, so `landed` returns only
-        once the slot the reader fills next is free."""
+        """`streamed`: the items land in a ring (`offsets`), so `landed` returns only once the
+        slot the reader fills next is free."""
         self._fence = _Fence()
         self._work = functools.partial(self._fence.run, work)
+        self._sizes = sizes
         self._groups = groups(sizes, RING_GROUP) if streamed else groups(sizes)
         self._starts = {group.start: g for g, group in enumerate(self._groups)}
         self._got: list[int] = []
@@ -238,6 +226,20 @@ class Behind(Generic[T]):
         self._streamed = streamed
         self._closed = False
         self._lock = threading.Lock()
+
+    def offsets(self) -> tuple[list[int], int]:
+        """Where each item lands in the staging of its call, and that staging's bytes: one
+        after another, or when streamed, group g in slot g % RING_SLOTS of a ring."""
+        if not self._streamed:
+            return list(itertools.accumulate(self._sizes, initial=0)), sum(self._sizes)
+        slot = max((sum(self._sizes[i] for i in group) for group in self._groups), default=0)
+        offsets = []
+        for g, group in enumerate(self._groups):
+            at = (g % RING_SLOTS) * slot
+            for i in group:
+                offsets.append(at)
+                at += self._sizes[i]
+        return offsets, slot * min(RING_SLOTS, len(self._groups))
 
     def landed(self, start: int, results: list[int]) -> None:
         with self._lock:

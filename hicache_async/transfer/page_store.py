@@ -29,7 +29,6 @@ their checksum: a miss, never another page's KV under this key.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from ..pools import HostPool, tensor_bytes
 from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
-from .checksums import Ahead, Behind, ring_offsets
+from .checksums import Ahead, Behind
 from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefix, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
@@ -263,17 +262,13 @@ class PageStore:
         targets = [dest for _, dest in objects]
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
         prefixes = [expected_prefix(spec.key, spec, self.namespace, dest.nbytes, tenant) for spec, dest in objects]
-        streamed = self.adapter.lands_each
-        if streamed:
-            offsets, nbytes = ring_offsets(sizes)
-        else:
-            offsets, nbytes = list(itertools.accumulate(sizes, initial=0)), sum(sizes)
+        behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
+                        streamed=self.adapter.lands_each)
+        offsets, nbytes = behind.offsets()
         try:
             with self.staging.lease(nbytes) as staging:
                 parts = [(staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n])
                          for at, n in zip(offsets, sizes)]
-                behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
-                                streamed)
                 try:
                     got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
                 except StorageError:
