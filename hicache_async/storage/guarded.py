@@ -11,9 +11,15 @@ for good. Two guards, around every backend:
   nothing more; what it already started may still land in the buffers it was given, which
   their owner keeps from other data until then (`staging.py`);
 - a circuit breaker: after `storage_breaker_failures` consecutive failed calls, calls fail
-  at once. Every `storage_retry_s` one of them starts a probe in the background (one cheap
+  at once. After `storage_retry_s` one of them starts a probe in the background (one cheap
   `batch_exists` under the same deadline) instead of going through itself, so no real
   transfer waits on a backend that is still down; the first probe that answers closes it.
+  A probe only shows the backend answers, not that its transfers do (a store whose index
+  answers while its data path hangs): so a breaker a probe closed is half open, and its
+  next failure opens it again at once; each time it opens or a probe fails without a real
+  call succeeding between, the wait before the next probe doubles, up to `MAX_BACKOFF`
+  times `storage_retry_s`. Without that, such a store costs a deadline or two every
+  `storage_retry_s` for the whole run.
 
 A failed call is a StorageError either way, which the page store counts and the cache
 carries on without: L1 and L2 keep serving.
@@ -34,6 +40,7 @@ from .wrapping import WrappingStorage
 
 log = logging.getLogger(__name__)
 PROBE_KEY = "hicache-async-probe"
+MAX_BACKOFF = 32     # the longest wait before a probe, in units of storage_retry_s
 
 
 _RUNNERS = DaemonThreads("hicache-storage-call")   # shared by every guard in the process
@@ -49,6 +56,7 @@ class GuardedStorage(WrappingStorage):
         self._failures = 0
         self._open_reason: str | None = None   # set while the breaker is open
         self._retry_at = 0.0
+        self._backoff = self.retry_s          # wait before the next probe, doubled on each failure
         self._probing = False
         self.opened = 0                        # times the breaker opened
 
@@ -62,7 +70,7 @@ class GuardedStorage(WrappingStorage):
             self._failed(exc)
             raise
         with self._lock:
-            self._failures = 0
+            self._failures, self._backoff = 0, self.retry_s
         return result
 
     def _bounded(self, op: str, call: Callable[[], object]):
@@ -91,10 +99,17 @@ class GuardedStorage(WrappingStorage):
             if self._open_reason is not None or self._failures < self.failures_to_open:
                 return
             self._open_reason = f"{self._failures} calls failed in a row, the last: {exc}"
-            self._retry_at = time.monotonic() + self.retry_s
+            failures, wait = self._failures, self._back_off()
             self.opened += 1
         log.warning("storage breaker open after %d failed calls (%s); the cache carries on from "
-                    "L1/L2 and probes storage every %g s", self.failures_to_open, exc, self.retry_s)
+                    "L1/L2 and probes storage in %g s", failures, exc, wait)
+
+    def _back_off(self) -> float:
+        """Schedule the next probe and double the wait after it; called under the lock."""
+        wait = self._backoff
+        self._retry_at = time.monotonic() + wait
+        self._backoff = min(2 * wait, MAX_BACKOFF * self.retry_s)
+        return wait
 
     def _probe(self) -> None:
         try:
@@ -104,10 +119,10 @@ class GuardedStorage(WrappingStorage):
             answered = False
         with self._lock:
             self._probing = False
-            if answered:
-                self._open_reason, self._failures = None, 0
+            if answered:      # half open: one more failure opens it again
+                self._open_reason, self._failures = None, self.failures_to_open - 1
             else:
-                self._retry_at = time.monotonic() + self.retry_s
+                self._back_off()
         if answered:
             log.warning("storage answers again: breaker closed")
 

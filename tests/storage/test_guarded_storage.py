@@ -63,6 +63,25 @@ def test_breaker_fails_fast_then_a_background_probe_closes_it():
     assert guard.opened == 1
 
 
+def test_a_store_whose_probe_answers_while_its_transfers_hang_costs_ever_fewer_deadlines():
+    """The index answers, the data path hangs: each probe closes the breaker, so the next real
+    call costs a deadline. Half open (one failure reopens) and a doubling wait keep that to 5
+    deadlines in 4 s (opens near 0.6, 1.1, 1.8, 2.9 s); a fixed wait with two failures to reopen
+    costs about 10 (a cycle every 0.8 s). Load only stretches the cycles, so fewer."""
+    hung = HangingStorage()
+    guard = GuardedStorage(hung, FAST)
+    end = time.monotonic() + 4
+    try:
+        while time.monotonic() < end:
+            with pytest.raises(StorageError):
+                guard.batch_get(["k"], [memoryview(bytearray(4))])
+            time.sleep(0.01)
+    finally:
+        hung.release.set()
+    deadlines = -hung.calls_left
+    assert 3 <= deadlines <= 6 and guard.opened >= 2, (deadlines, guard.opened)
+
+
 def _timed_run(storage, spec, model) -> tuple[float, dict]:
     """Seconds the cached run took (the reference is computed first, untimed), and its report."""
     cfg = CacheConfig(device_pages=20, host_pages=24, prefetch_threshold=16, storage_timeout_s=0.5,
