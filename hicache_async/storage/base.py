@@ -6,6 +6,7 @@ one batch call, so a network backend pays one round trip per batch, not per page
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,14 @@ def call_abandoned() -> bool:
     """
     flag = getattr(_call, "abandoned", None)
     return flag is not None and flag.is_set()
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """Where a writable buffer's bytes start, for zero-copy calls and GIL-free copies
+    (`ctypes.memmove`); None for read-only memory, which a caller must copy instead."""
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def run_abandonable(abandoned: threading.Event, call: Callable[[], object]) -> object:

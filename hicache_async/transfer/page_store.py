@@ -41,7 +41,7 @@ from ..keys import KeyScheme, ObjectSpec
 from ..layout import KVLayout
 from ..partition import cp_page_slice
 from ..pools import HostPool, tensor_bytes
-from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter
+from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter, buffer_address
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
 from .checksums import Ahead, Behind
@@ -310,14 +310,8 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
         if n != sizes[i] or not intact(header, prefixes[i], payload):
             return ok, "corrupt"
         if isinstance(targets[i], memoryview):
-            ctypes.memmove(_address(targets[i]), _address(payload), payload.nbytes)
+            ctypes.memmove(buffer_address(targets[i]), buffer_address(payload), payload.nbytes)   # GIL-free
         else:
             targets[i].copy_(torch.frombuffer(payload, dtype=targets[i].dtype).view(targets[i].shape))
         ok.append(n)
     return ok, None
-
-
-def _address(view: memoryview) -> int:
-    """A writable buffer's address: `ctypes.memmove` copies without holding the GIL, so the
-    reader runs on while a landing thread copies."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from hicache_async.config import CHECKSUM_WORKERS
 from hicache_async.errors import StorageError
-from hicache_async.storage.base import MISSING, WRONG_SIZE, call_abandoned
+from hicache_async.storage.base import MISSING, WRONG_SIZE, buffer_address, call_abandoned
 
 from .client import MooncakeClient, in_call
 
@@ -59,13 +59,6 @@ def _runs(sizes: list[int], small_tail: bool) -> list[range]:
     return runs
 
 
-def _address(view: memoryview) -> int | None:
-    """Address of a writable buffer, or None for read-only memory (which must be staged)."""
-    if view.readonly:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
 class MooncakeStorage(MooncakeClient):
     def __init__(self, *args, **options) -> None:
         super().__init__(*args, **options)
@@ -81,7 +74,7 @@ class MooncakeStorage(MooncakeClient):
             self._regions.append((ptr, ptr + size))
 
     def register_memory(self, view: memoryview) -> None:
-        ptr = _address(memoryview(view).cast("B"))
+        ptr = buffer_address(memoryview(view).cast("B"))
         if ptr is not None and not self._pinned(ptr, view.nbytes):
             self._pin(ptr, view.nbytes)
 
@@ -124,7 +117,7 @@ class MooncakeStorage(MooncakeClient):
             row, row_sizes, joinable = [], [], False
             for p in ps:
                 view = memoryview(p).cast("B")
-                ptr, n = _address(view), view.nbytes
+                ptr, n = buffer_address(view), view.nbytes
                 if ptr is None or not self._pinned(ptr, n):
                     slots.append((row, len(row), need))
                     last = copies[-1] if copies else None
