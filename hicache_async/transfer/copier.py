@@ -23,7 +23,7 @@ from ..errors import HiCacheError
 from ..events import CompletionEvent, CudaEvent, HostEvent
 from ..pools import DevicePool, HostPool
 from .index_plan import IndexPlan, slab_rows
-from .run_plan import Copy, RunPlan
+from .run_plan import RunPlan, Shared
 
 
 class CopyFailed(HiCacheError):
@@ -118,7 +118,7 @@ class Copier:
         whichever is free takes the next; a group has landed when both are done with it."""
         src, dst = (self._slabs[side] for side in _SIDES[kind])
         groups = [range(first, min(first + runs.group, self.layers)) for first in range(0, self.layers, runs.group)]
-        shared = [iter(runs.copies(group)) for group in groups]
+        shared = [Shared(runs.copies(group)) for group in groups]
         theirs = [Future() for _ in groups]
         helper = self._helper.submit(_move_share, src, dst, shared, theirs)
         try:
@@ -149,7 +149,7 @@ class Copier:
             kv[:, landed] *= 1 + 1e-3 * torch.randn_like(kv[:, landed])
 
 
-def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[Iterator[Copy]], landed: list[Future]) -> None:
+def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[Shared], landed: list[Future]) -> None:
     """The helper's side: takes copies of each group in order, completing the group's future
     once the copies it took have landed; stops at a failure or at a group its op gave up on."""
     for copies, future in zip(shared, landed):

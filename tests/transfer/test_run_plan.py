@@ -1,10 +1,12 @@
 """Run copies: consecutive page pairs merge into runs, cut into pieces no bigger than a call
 that stays on its thread; slabs too small for a call to pay go to the index kernels."""
+import threading
+
 import pytest
 import torch
 
 from hicache_async.transfer import run_plan
-from hicache_async.transfer.run_plan import RunPlan
+from hicache_async.transfer.run_plan import RunPlan, Shared
 
 
 def slabs(layers: int, words: int) -> torch.Tensor:
@@ -61,3 +63,15 @@ def test_a_move_copies_exactly_the_copies_it_takes():
     dst[3, 0] = 0
     assert not dst.any()                    # nothing else written
     assert next(copies, None) is None       # the iterator is drained: a sharing thread finds nothing left
+
+
+def test_threads_sharing_a_groups_copies_take_each_exactly_once():
+    copies = [(slice(0, 1), i, i, 1) for i in range(20_000)]
+    shared, taken = Shared(copies), ([], [])
+    threads = [threading.Thread(target=lambda mine=mine: mine.extend(shared)) for mine in taken]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(taken[0] + taken[1], key=lambda c: c[1]) == copies
+    assert next(shared, None) is None
