@@ -62,3 +62,31 @@ def test_simulate_writes_the_contract_json(tmp_path):
                                    "tokens_computed")) == result["prompt_tokens"]
     assert os.listdir(tmp_path / "cache" / "hicache-async" / "kv"), "default file storage unused"
     assert "outputs match the cache-less reference: yes" in proc.stdout
+
+
+_IDLE_BURN = """
+import os, resource, time
+import hicache_async.app.cli            # what the console script imports first
+import torch
+src = torch.randn(8 << 20)
+dst = torch.empty_like(src)
+for _ in range(3):
+    dst.copy_(src)                      # a parallel op: torch's OpenMP workers ran it
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+before = cpu()
+time.sleep(0.05)
+print(os.environ["OMP_WAIT_POLICY"], round((cpu() - before) * 1e3, 1))
+"""
+
+
+@pytest.mark.parametrize("chosen", [None, "ACTIVE"])
+def test_the_cli_sends_torchs_idle_workers_to_sleep_unless_the_user_chose(chosen):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if chosen:
+        env["OMP_WAIT_POLICY"] = chosen
+    proc = subprocess.run([sys.executable, "-c", _IDLE_BURN], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    policy, idle_cpu_ms = proc.stdout.split()
+    assert policy == (chosen or "PASSIVE")
+    if not chosen:      # a spinning worker burns ~9 ms of the 50 ms here; a sleeping one nothing
+        assert float(idle_cpu_ms) < 3, idle_cpu_ms
