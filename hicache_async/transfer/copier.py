@@ -13,6 +13,7 @@ queues.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ from ..errors import HiCacheError
 from ..events import CompletionEvent, CudaEvent, HostEvent
 from ..pools import DevicePool, HostPool
 from .index_plan import IndexPlan, slab_rows
-from .run_plan import RunPlan, Shared
+from .run_plan import Copy, RunPlan
 
 
 class CopyFailed(HiCacheError):
@@ -114,11 +115,11 @@ class Copier:
             yield range(layer, layer + 1)
 
     def _run_groups(self, kind: str, runs: RunPlan, dst_pages: list[int]) -> Iterator[range]:
-        """The run copies of each group, taken by this thread and the helper from one list, so
+        """The run copies of each group, taken by this thread and the helper from one deque, so
         whichever is free takes the next; a group has landed when both are done with it."""
         src, dst = (self._slabs[side] for side in _SIDES[kind])
         groups = [range(first, min(first + runs.group, self.layers)) for first in range(0, self.layers, runs.group)]
-        shared = [Shared(runs.copies(group)) for group in groups]
+        shared = [deque(runs.copies(group)) for group in groups]
         theirs = [Future() for _ in groups]
         helper = self._helper.submit(_move_share, src, dst, shared, theirs)
         try:
@@ -149,7 +150,7 @@ class Copier:
             kv[:, landed] *= 1 + 1e-3 * torch.randn_like(kv[:, landed])
 
 
-def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[Shared], landed: list[Future]) -> None:
+def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[deque[Copy]], landed: list[Future]) -> None:
     """The helper's side: takes copies of each group in order, completing the group's future
     once the copies it took have landed; stops at a failure or at a group its op gave up on."""
     for copies, future in zip(shared, landed):

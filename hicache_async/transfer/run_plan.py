@@ -15,8 +15,7 @@ kernels win.
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -63,28 +62,16 @@ class RunPlan:
         return [(span, *piece) for span in spans for piece in self.pieces]
 
     @staticmethod
-    def move(src: torch.Tensor, dst: torch.Tensor, copies: Iterator[Copy]) -> None:
-        """Takes copies until there are none left; threads that share a `Shared` each take
-        different ones. `src` and `dst` are (layers, pages, words)."""
-        for layers, s, d, n in copies:
+    def move(src: torch.Tensor, dst: torch.Tensor, copies: deque[Copy]) -> None:
+        """Pops copies until there are none left; threads that share the deque each pop
+        different ones (a deque's pops are thread-safe). `src` and `dst` are (layers, pages,
+        words)."""
+        while True:
+            try:
+                layers, s, d, n = copies.popleft()
+            except IndexError:
+                return
             dst[layers, d:d + n].copy_(src[layers, s:s + n])
-
-
-class Shared(Iterator[Copy]):
-    """A group's copies handed out to the threads that move them, each copy to exactly one,
-    under a lock of its own: not the GIL, which a free-threaded Python does not have."""
-
-    def __init__(self, copies: list[Copy]) -> None:
-        self._copies, self._next = copies, 0
-        self._lock = threading.Lock()
-
-    def __next__(self) -> Copy:
-        with self._lock:
-            at = self._next
-            self._next += 1
-        if at >= len(self._copies):
-            raise StopIteration
-        return self._copies[at]
 
 
 def _runs(src_pages: list[int], dst_pages: list[int]) -> list[Piece]:

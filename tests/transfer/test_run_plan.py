@@ -1,12 +1,13 @@
 """Run copies: consecutive page pairs merge into runs, cut into pieces no bigger than a call
 that stays on its thread; slabs too small for a call to pay go to the index kernels."""
 import threading
+from collections import deque
 
 import pytest
 import torch
 
 from hicache_async.transfer import run_plan
-from hicache_async.transfer.run_plan import RunPlan, Shared
+from hicache_async.transfer.run_plan import RunPlan
 
 
 def slabs(layers: int, words: int) -> torch.Tensor:
@@ -56,22 +57,26 @@ def test_small_slabs_go_to_the_index_kernels():
 
 def test_a_move_copies_exactly_the_copies_it_takes():
     src, dst = torch.randn(4, 8, 6), torch.zeros(4, 8, 6)
-    copies = iter([(slice(0, 3), 0, 5, 2), (slice(3, 4), 4, 0, 1)])
+    copies = deque([(slice(0, 3), 0, 5, 2), (slice(3, 4), 4, 0, 1)])
     RunPlan.move(src, dst, copies)
     assert torch.equal(dst[:3, 5:7], src[:3, 0:2]) and torch.equal(dst[3, 0], src[3, 4])
     dst[:3, 5:7] = 0
     dst[3, 0] = 0
     assert not dst.any()                    # nothing else written
-    assert next(copies, None) is None       # the iterator is drained: a sharing thread finds nothing left
+    assert not copies                       # drained: a sharing thread finds nothing left
 
 
 def test_threads_sharing_a_groups_copies_take_each_exactly_once():
-    copies = [(slice(0, 1), i, i, 1) for i in range(20_000)]
-    shared, taken = Shared(copies), ([], [])
-    threads = [threading.Thread(target=lambda mine=mine: mine.extend(shared)) for mine in taken]
+    """Each thread moves into a destination of its own: every page lands in exactly one."""
+    pages = 20_000
+    src = torch.arange(1, pages + 1, dtype=torch.float64).view(1, pages, 1)
+    dsts = (torch.zeros_like(src), torch.zeros_like(src))
+    shared = deque((slice(0, 1), i, i, 1) for i in range(pages))
+    threads = [threading.Thread(target=RunPlan.move, args=(src, dst, shared)) for dst in dsts]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert sorted(taken[0] + taken[1], key=lambda c: c[1]) == copies
-    assert next(shared, None) is None
+    assert torch.equal((dsts[0] != 0) ^ (dsts[1] != 0), torch.ones_like(src, dtype=torch.bool))
+    assert torch.equal(dsts[0] + dsts[1], src)
+    assert not shared
