@@ -3,8 +3,9 @@
 Tiers issue ops into it; once per step the plugin asks it what this rank could retire
 (`offer`), agrees on the MIN with every other rank, and has it retire exactly that
 (`retire`), FIFO per kind, so every rank's tree changes identically. It owns the ack queues,
-the digest of every cache decision (which the agreement compares across ranks) and the
-tracer hook, and asks its clock, not the ops' events, when an op is due.
+the quarantine of host pages that calls given up on may still write into, the digest of
+every cache decision (which the agreement compares across ranks) and the tracer hook, and
+asks its clock, not the ops' events, when an op is due.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from ..clock import OpClock
 from ..events import CompletionEvent
 from ..kinds import TransferKind
 from ..parallel.agreement import NOT_READY
+from ..storage.base import AbandonedCall
 from ..transfer.copier import CopyFailed
 from .op_tracing import OpTracer
 from .ops import AckQueue, CacheOp, StorageOp
+from .quarantine import HELD_SLOTS, Quarantine
 
 PREFETCH_SLOTS = 4          # leading prefetches one step can retire
 WRITE, LOAD, BACKUP, PREFETCH = TransferKind
@@ -29,8 +32,10 @@ class StepMessage:
     """What one rank could retire now; after the agreement, what every rank retires.
 
     It crosses ranks as `[writes, loads, backups, prefetches, prefetch_pages x PREFETCH_SLOTS,
-    l3_kbps]`, every field combined with MIN: the count every rank can retire per queue, the
-    pages every rank fetched per prefetch, and the slowest L3 throughput any rank just saw.
+    quiet x HELD_SLOTS, l3_kbps]`, every field combined with MIN: the count every rank can
+    retire per queue, the pages every rank fetched per prefetch, whether every rank's calls
+    into each held set of host pages have returned, and the slowest L3 throughput any rank
+    just saw.
     """
 
     writes: int = 0
@@ -38,9 +43,11 @@ class StepMessage:
     backups: int = 0
     prefetches: int = 0
     prefetch_pages: tuple[int, ...] = ()    # pages each of the leading `prefetches` fetched
+    quiet: tuple[int, ...] = ()             # per held set of the quarantine's window: 1 when quiet,
+                                            # padded to HELD_SLOTS with 0
     l3_kbps: int = NOT_READY
 
-    L3 = slice(2, 4 + PREFETCH_SLOTS + 1)
+    L3 = slice(2, 4 + PREFETCH_SLOTS + HELD_SLOTS + 1)
     """The fields about L3 ops: every pipeline stage stores and fetches its own layers of a
     page, so these are agreed over the whole world while L3 work is under way."""
 
@@ -48,23 +55,28 @@ class StepMessage:
         if len(self.prefetch_pages) != self.prefetches or self.prefetches > PREFETCH_SLOTS:
             raise ValueError(f"{self.prefetches} prefetches with pages {self.prefetch_pages}: "
                              f"expected one page count each, at most {PREFETCH_SLOTS}")
+        if len(self.quiet) > HELD_SLOTS:
+            raise ValueError(f"{len(self.quiet)} held sets offered: at most {HELD_SLOTS}")
+        object.__setattr__(self, "quiet", (*self.quiet, *[0] * (HELD_SLOTS - len(self.quiet))))   # 0: keep
 
     def pack(self) -> list[int]:
         slots = [*self.prefetch_pages, *[NOT_READY] * (PREFETCH_SLOTS - self.prefetches)]
-        return [self.writes, self.loads, self.backups, self.prefetches, *slots, self.l3_kbps]
+        return [self.writes, self.loads, self.backups, self.prefetches, *slots, *self.quiet, self.l3_kbps]
 
     @classmethod
     def unpack(cls, values: list[int]) -> StepMessage:
         """An agreed message; slots past the agreed prefetch count are dropped (some rank had
         no such prefetch, so their MIN means nothing)."""
         writes, loads, backups, prefetches = values[:4]
-        return cls(writes, loads, backups, prefetches, tuple(values[4: 4 + prefetches]), values[-1])
+        quiet = tuple(values[4 + PREFETCH_SLOTS: 4 + PREFETCH_SLOTS + HELD_SLOTS])
+        return cls(writes, loads, backups, prefetches, tuple(values[4: 4 + prefetches]), quiet, values[-1])
 
 
 class Ledger:
     def __init__(self, tracer: OpTracer, clock: OpClock | None = None, timeout_s: float = 60.0) -> None:
         self.tracer, self.clock, self.timeout_s = tracer, clock or OpClock(), timeout_s
         self.queues = {kind: AckQueue(kind) for kind in TransferKind}
+        self.quarantine = Quarantine()
         self.digest = 0
         self._l3_retired = False     # prefetches retired last step: their throughput is offered now
 
@@ -78,21 +90,29 @@ class Ledger:
         self.clock.issued(op)
         self.queues[op.kind].push(op)
 
+    def hold(self, pages: list[int], late: list[AbandonedCall], release: Callable[[list[int]], None]) -> None:
+        """Keep host pages from other KV until every rank agrees no call writes into them;
+        `late`: this rank's calls given up on that still may."""
+        if pages:
+            self.note("hold", pages)
+            self.quarantine.hold(pages, late, release)
+
     def busy(self, *kinds: TransferKind) -> bool:
         """Whether ops of these kinds (all kinds if none named) are in flight."""
         return any(len(self.queues[k]) for k in kinds or TransferKind)
 
     def l3_active(self) -> bool:
         """Whether this step's L3 fields must be agreed world-wide: L3 ops are in flight, or a
-        prefetch retired last step, whose measured throughput every rank offers now. Both are
-        the same on every rank, so every rank makes the same call."""
-        return self._l3_retired or self.busy(BACKUP, PREFETCH)
+        prefetch retired last step, whose measured throughput every rank offers now, or host
+        pages are held. All are the same on every rank, so every rank makes the same call."""
+        return self._l3_retired or self.busy(BACKUP, PREFETCH) or len(self.quarantine) > 0
 
     # -- offer ------------------------------------------------------------------------------
 
     async def offer(self, step: int, gives_up: Callable[[StorageOp], bool], l3_kbps: int) -> StepMessage:
-        """What this rank could retire now: the leading due ops of each queue, and per leading
-        prefetch the pages it fetched (0 for one its policy `gives_up` on)."""
+        """What this rank could retire now: the leading due ops of each queue, per leading
+        prefetch the pages it fetched (0 for one its policy `gives_up` on), and which held
+        host pages no call of this rank can still write into."""
         counts = [await self._leading(kind, step) for kind in (WRITE, LOAD, BACKUP)]
         pages: list[int] = []
         for op in self.queues[PREFETCH]:
@@ -106,7 +126,7 @@ class Ledger:
                 pages.append(0)
             else:
                 break
-        return StepMessage(*counts, len(pages), tuple(pages), l3_kbps)
+        return StepMessage(*counts, len(pages), tuple(pages), self.quarantine.offer(), l3_kbps)
 
     async def _leading(self, kind: TransferKind, step: int) -> int:
         n = 0
@@ -134,11 +154,15 @@ class Ledger:
     # -- retire -----------------------------------------------------------------------------
 
     async def retire(self, agreed: StepMessage, step: int) -> dict[TransferKind, list[CacheOp]]:
-        """Retire exactly what every rank agreed, FIFO per kind; returns the ops by kind.
+        """Retire exactly what every rank agreed, FIFO per kind, and release the held host
+        pages agreed quiet; returns the ops by kind.
 
         A later pipeline stage may get here before its own copy of an op finished: it awaits
         it (bounded). A prefetch retired before it was due was given up on by its policy:
         it is told to stop, and commits the pages every rank fetched."""
+        released = self.quarantine.release(agreed.quiet)
+        if released:
+            self.note("release", released)
         retired = {WRITE: self.queues[WRITE].retire(agreed.writes), LOAD: self.queues[LOAD].retire(agreed.loads),
                    BACKUP: self.queues[BACKUP].retire(agreed.backups),
                    PREFETCH: self.queues[PREFETCH].retire(agreed.prefetches)}

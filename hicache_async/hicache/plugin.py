@@ -118,7 +118,7 @@ class HiCachePlugin(KVPlugin):
         """Reap -> offer -> agree -> retire -> dispatch."""
         start = time.perf_counter()
         self.step += 1
-        if self._solo and not self.busy():
+        if self._solo and not self.busy() and not self.ledger.quarantine:
             self.step_us.append((time.perf_counter() - start) * 1e6)
             return
         self.tracer.begin_step(self.step)
@@ -152,13 +152,18 @@ class HiCachePlugin(KVPlugin):
         return {**self.admissions.stats, "transfers": dict(self.tracer.transfers), "steps": self.step,
                 "digest": self.ledger.digest, "storage_errors": self.l3.errors if self.l3 else 0,
                 "corrupt_objects": counters.corrupt_objects, "missing_objects": counters.missing_objects,
-                "forged_objects": counters.forged_objects, "quarantined_bytes": counters.quarantined_bytes,
+                "forged_objects": counters.forged_objects, "quarantined_bytes": self._quarantined_bytes(counters),
                 "l3_bytes_written": counters.bytes_written, "l3_bytes_read": counters.bytes_read,
                 "dropped_pages": self.cache.dropped_pages, "most_pending_sends": self.most_pending_sends,
                 "prefetches_terminated": self.l3.terminated if self.l3 else 0,
                 "l3_pages_from_before": self.l3.earlier_pages if self.l3 else 0,
                 "pp_sync": self.agreement.counts(), "miss_reasons": self.admissions.misses,
                 "step_us": self.step_us}
+
+    def _quarantined_bytes(self, counters: StoreCounters) -> int:
+        """Memory that calls given up on may still write into: staging and held host pages."""
+        host_pages = self.ledger.quarantine.late_pages()
+        return counters.quarantined_bytes + (host_pages * self.l3.host.layout.page_bytes if host_pages else 0)
 
     # -- lifetime ---------------------------------------------------------------------------
 

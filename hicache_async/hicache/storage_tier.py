@@ -151,9 +151,10 @@ class StorageTier:
             self._commit(op)
 
     def _commit(self, op: StorageOp) -> None:
-        """Graft the pages every rank fetched under the prefix and free the rest. The op's task
-        has ended (settled), so the host pages are quiet, and they are freed at the same step on
-        every rank."""
+        """Graft the pages every rank fetched under the prefix and hold the rest in the
+        ledger's quarantine. The op's task has ended (settled), but a call of it given up on
+        may still write into its pages; they go back to the pool once every rank agrees none
+        can, at the same step on every rank."""
         self.tree.pin(op.node, -1)
         self.ledger.note("prefetch-done", op.request_id, op.committed)
         unused = op.host_pages[op.committed:]
@@ -163,7 +164,7 @@ class StorageTier:
             if self.cache.history is not None:
                 fetched = op.hashes[op.first_page: op.first_page + op.committed]
                 self.earlier_pages += self.cache.history.backed_up(fetched)
-        self.host.alloc.release(unused)
+        self.ledger.hold(unused, getattr(op.result, "late", []), self.host.alloc.release)
         self._count_errors(op)
 
     def _count_errors(self, op: StorageOp) -> None:
@@ -183,12 +184,17 @@ class StorageTier:
 
     def abandon(self) -> None:
         """Once no task runs: give back what unretired ops hold (a cancelled prefetch its host
-        pages, a backup its host lock), so the cache is whole again."""
+        pages, a backup its host lock) and the held pages no late call can write into, so the
+        cache is whole again but for pages a call given up on may still write."""
         for op in self.ledger.drain(TransferKind.BACKUP):
             self.tree.lock_host(op.node, -1)
         for op in self.ledger.drain(TransferKind.PREFETCH):
             self.tree.pin(op.node, -1)
-            self.host.alloc.release(op.host_pages)
+            self.ledger.hold(op.host_pages, getattr(op.result, "late", []), self.host.alloc.release)
+        kept = self.ledger.quarantine.close()
+        if kept:
+            log.warning("%d host pages stay out of the pool: storage calls given up on may still write "
+                        "into them", kept)
 
 
 def _sum(a, b):

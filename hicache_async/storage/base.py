@@ -65,6 +65,10 @@ class AbandonedCall(StorageError):
         super().__init__(message)
         self._running = running
 
+    def returned(self) -> bool:
+        """Whether the call has returned: it writes nothing more."""
+        return self._running.done()
+
     def when_returned(self, callback: Callable[[], None]) -> None:
         """Call `callback` (on the call's thread, or here if it already returned) once the call has."""
         self._running.add_done_callback(lambda _: callback())

@@ -15,6 +15,7 @@ Random nonces are safe for about 2^32 objects per key (NIST SP 800-38D).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import UsageError
-from .base import FORGED, MISSING, StorageAdapter, call_abandoned
+from .base import FORGED, MISSING, StorageAdapter, buffer_address, call_abandoned
 from .staging import StagingPool
 from .wrapping import WrappingStorage
 
@@ -113,7 +114,8 @@ class SealedStorage(WrappingStorage):
         try:
             self._aead.decrypt_into(sealed[head:head + NONCE_BYTES], sealed[head + NONCE_BYTES:],
                                     sealed[:head], plain)
-        except InvalidTag:
+        except InvalidTag:      # GCM has written the body before it checked the tag: wipe it
+            ctypes.memset(buffer_address(plain), 0, plain.nbytes)
             return FORGED
         if aad:
             aad[0][:] = sealed[:head]

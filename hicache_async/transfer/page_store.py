@@ -17,14 +17,18 @@ adapter reports missing, and a backup lets the adapter skip objects it already h
 existence probe (`stored_run`) serves a replay, which must know before a prefetch what an
 earlier run left in L3.
 
-A storage call may outlive its caller's patience (`AbandonedCall`), and the host pages it
-was for are then freed and handed to other KV. So a prefetch never reads into host pages:
-each call reads into a staging buffer it owns (`staging.py`), and verified objects are
-copied into the host pages, while still in cache, only as long as the caller waits for the
-call. From an adapter that `lands_each` object in order, that buffer is a small ring the
-read streams through, checked and copied beside the reader (`checksums.py`). A backup makes
-no header after its caller gave up, so bytes it reads late from pages that moved on fail
-their checksum: a miss, never another page's KV under this key.
+A storage call may outlive its caller's patience (`AbandonedCall`) and go on writing where
+it was told to. A prefetch of whole pages (or of any objects that are one run of bytes in
+the host pool) reads straight into the host pages, and verifies them there, so its bytes
+cross memory once, as the bound a verified read can reach does; a call of it given up on
+comes back in `PrefetchResult.late`, and the owner of the pages (the step ledger's
+quarantine) keeps them from other KV until that call has returned. Objects that are strided
+views of the pool (a head group of a page) read into staging the call owns (`staging.py`),
+quarantined by the pool, and are copied into the host pages, while still in cache, only as
+long as the caller waits; from an adapter that `lands_each` object in order, that staging
+is a small ring the read streams through, checked and copied beside the reader
+(`checksums.py`). A backup makes no header after its caller gave up, so bytes it reads late
+from pages that moved on fail their checksum: a miss, never another page's KV under this key.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from .checksums import Ahead, Behind
 from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefix, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
-STAGING_BYTES = 32 << 20    # most bytes per prefetch call, unless one page is more: its staging
+STAGING_BYTES = 32 << 20    # most bytes per staged prefetch call, unless one page is more
 
 
 @dataclass
@@ -67,6 +71,9 @@ class PrefetchResult:
     forged: int = 0       # objects that failed authentication in a sealed store (misses too)
     missing: int = 0      # objects absent from a page whose other objects were read
     errors: int = 0       # failed storage calls
+    late: list[AbandonedCall] = field(default_factory=list)
+    """Calls given up on that may still write into these host pages: keep them from other
+    KV until each has `returned()`."""
 
 
 @dataclass
@@ -108,8 +115,8 @@ class PageStore:
     # -- helpers -------------------------------------------------------------------------
 
     def _host_bytes(self, host: HostPool, pin: bool = False) -> memoryview:
-        """The host pool's bytes; with `pin`, registered with the adapter once it can be (backups
-        read them in place; prefetches copy into them from staging, which is registered)."""
+        """The host pool's bytes; with `pin`, registered with the adapter once it can be
+        (backups read them in place, and prefetches of whole pages read into them in place)."""
         ptr = host.tensor.data_ptr()
         with self._hosts_lock:
             if ptr not in self._hosts:
@@ -224,23 +231,25 @@ class PageStore:
     def prefetch(self, page_hashes: list[str], host: HostPool, host_pages: list[int],
                  cancel: threading.Event | None = None, *, tenant: bytes = NO_TENANT) -> PrefetchResult:
         """Read the leading run of stored pages, `tenant`'s (8 bytes), into `host_pages`; stop
-        at the first gap or bad object."""
+        at the first gap or bad object. The pages after the verified run may hold anything,
+        and while a call in `late` runs, it may still write into them."""
         _check_args(page_hashes, host_pages, tenant)
         result = PrefetchResult()
         if not page_hashes:
             return result
-        pool = self._host_bytes(host)
+        pool = self._host_bytes(host, pin=True)
         specs = [self.keys.objects(h) for h in page_hashes]
         dests = [[self._dest(host, pool, page, spec) for spec in page_specs]
                  for page, page_specs in zip(host_pages, specs)]
+        direct = all(isinstance(dest, memoryview) for page_dests in dests for dest in page_dests)
         page_bytes = sum(HEADER_BYTES + d.nbytes for d in dests[0])
-        per_call = PREFETCH_CHUNK_PAGES if self.adapter.lands_each else \
+        per_call = PREFETCH_CHUNK_PAGES if direct or self.adapter.lands_each else \
             max(1, min(PREFETCH_CHUNK_PAGES, STAGING_BYTES // page_bytes))
         for start in range(0, len(page_hashes), per_call):
             if cancel is not None and cancel.is_set():
                 break
             stop = min(start + per_call, len(page_hashes))
-            good = self._read_chunk(specs[start:stop], dests[start:stop], tenant, result)
+            good = self._read_chunk(specs[start:stop], dests[start:stop], tenant, result, direct)
             result.pages += good
             if good < stop - start:
                 break
@@ -249,13 +258,14 @@ class PageStore:
         return result
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], dests: list[list], tenant: bytes,
-                    result: PrefetchResult) -> int:
-        """Read a run of pages in one call into staging (a ring when the adapter lands each
-        object in turn), each object checked and copied to its host page as it lands; the
-        number of leading good pages. What an object is checked against (its size, its header
-        up to the checksum) is worked out before the call, so what runs per object while the
-        bytes stream in, evicting everything else from cache, is one checksum, one compare
-        and one copy from cache."""
+                    result: PrefetchResult, direct: bool) -> int:
+        """Read a run of pages in one call, each object checked as it lands; the number of
+        leading good pages. `direct`: payloads land in their host pages, and only headers in
+        staging; else everything lands in staging (a ring when the adapter lands each object
+        in turn) and each good object is copied to its host page. What an object is checked
+        against (its size, its header up to the checksum) is worked out before the call, so
+        what runs per object while the bytes stream in, evicting everything else from cache,
+        is one checksum, one compare and at most one copy from cache."""
         per_page = len(specs[0])
         objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
                    for spec, dest in zip(page_specs, page_dests)]
@@ -263,16 +273,24 @@ class PageStore:
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
         prefixes = [expected_prefix(spec.key, spec, self.namespace, dest.nbytes, tenant) for spec, dest in objects]
         behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
-                        streamed=self.adapter.lands_each)
-        offsets, nbytes = behind.offsets()
+                        streamed=self.adapter.lands_each and not direct)
+        if direct:
+            offsets, nbytes = list(range(0, HEADER_BYTES * len(sizes), HEADER_BYTES)), HEADER_BYTES * len(sizes)
+        else:
+            offsets, nbytes = behind.offsets()
         try:
             with self.staging.lease(nbytes) as staging:
-                parts = [(staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n])
-                         for at, n in zip(offsets, sizes)]
+                if direct:
+                    parts = [(staging[at:at + HEADER_BYTES], target) for at, target in zip(offsets, targets)]
+                else:
+                    parts = [(staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n])
+                             for at, n in zip(offsets, sizes)]
                 try:
                     got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
-                except StorageError:
+                except StorageError as exc:
                     behind.abandon()    # a copy under way ends, no other starts: the pages are freed next
+                    if direct and isinstance(exc, AbandonedCall):
+                        result.late.append(exc)
                     raise
                 outcomes = behind.finish(got)
         except StorageError:
@@ -301,7 +319,7 @@ def _check_args(page_hashes: list[str], host_pages: list[int], tenant: bytes) ->
 def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[tuple],
           targets: list) -> tuple[list[int], str | None]:
     """Sizes of the leading intact objects of a group, each copied from staging to its host
-    page, and what ended the group early (None: nothing)."""
+    page unless it was read there, and what ended the group early (None: nothing)."""
     ok = []
     for i, n in zip(group, got):
         if n in (MISSING, FORGED):
@@ -309,9 +327,10 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
         header, payload = parts[i]
         if n != sizes[i] or not intact(header, prefixes[i], payload):
             return ok, "corrupt"
-        if isinstance(targets[i], memoryview):
-            ctypes.memmove(buffer_address(targets[i]), buffer_address(payload), payload.nbytes)   # GIL-free
-        else:
-            targets[i].copy_(torch.frombuffer(payload, dtype=targets[i].dtype).view(targets[i].shape))
+        target = targets[i]
+        if isinstance(target, torch.Tensor):
+            target.copy_(torch.frombuffer(payload, dtype=target.dtype).view(target.shape))
+        elif target is not payload:     # staged, not read in place
+            ctypes.memmove(buffer_address(target), buffer_address(payload), payload.nbytes)   # GIL-free
         ok.append(n)
     return ok, None

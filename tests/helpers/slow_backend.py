@@ -3,7 +3,8 @@ reads go through its default `batch_get_parts`, and `batch_get` writes into the 
 was given whether or not anyone still waits (it never asks `call_abandoned`). Every read
 takes `slow_read_s`; one that ends after its caller gave up is noted (`late_reads`, the
 bytes it wrote in `late_bytes`, and a line in `slow_log`), so a test can tell the late
-writes really happened."""
+writes really happened. `SlowZeroCopy` reads into the caller's own parts instead, as a
+zero-copy backend does, late or not."""
 import time
 
 from hicache_async.storage.base import MISSING, WRONG_SIZE, StorageAdapter, call_abandoned
@@ -52,3 +53,39 @@ class SlowReads(StorageAdapter):
 
     def close(self):
         pass
+
+
+class SlowZeroCopy(SlowReads):
+    """Reads the way a zero-copy transfer engine does: straight into the parts the caller gave,
+    and a transfer under way is not recalled, so a read that ends after its caller gave up
+    writes into them all the same (each such part is noted in `late_parts`)."""
+
+    def __init__(self, *args, **options) -> None:
+        super().__init__(*args, **options)
+        self.late_parts: list[memoryview] = []
+
+    def batch_get_parts(self, keys, parts, landed=None):
+        time.sleep(self.read_s)
+        late, out = call_abandoned(), []
+        for key, ps in zip(keys, parts):
+            blob, views = self.objects.get(key), [memoryview(p).cast("B") for p in ps]
+            if blob is None or len(blob) != sum(v.nbytes for v in views):
+                out.append(MISSING if blob is None else WRONG_SIZE)
+                continue
+            at = 0
+            for view in views:
+                view[:] = blob[at:at + view.nbytes]
+                at += view.nbytes
+            out.append(len(blob))
+            if late:
+                self.late_parts += views
+        if late:
+            self.late_reads += 1
+            self.late_bytes += sum(n for n in out if n > 0)
+            self.on_late()
+            if self.log:
+                with open(self.log, "a") as f:
+                    f.write(f"{sum(n for n in out if n > 0)} bytes read late\n")
+        if landed is not None:
+            landed(0, out)
+        return out

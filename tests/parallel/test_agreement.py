@@ -130,9 +130,9 @@ def test_a_step_message_survives_packing_and_reduces_field_by_field():
     assert (agreed.prefetches, agreed.prefetch_pages, agreed.l3_kbps) == (2, (2, 0), 900)
 
 
-def test_the_world_fields_are_exactly_the_l3_counts_pages_and_throughput():
-    msg = StepMessage(writes=3, loads=2, backups=1, prefetches=1, prefetch_pages=(4,), l3_kbps=50)
-    assert msg.pack()[StepMessage.L3] == [1, 1, 4, NOT_READY, NOT_READY, NOT_READY, 50]
+def test_the_world_fields_are_exactly_the_l3_counts_pages_quiet_sets_and_throughput():
+    msg = StepMessage(writes=3, loads=2, backups=1, prefetches=1, prefetch_pages=(4,), quiet=(1,), l3_kbps=50)
+    assert msg.pack()[StepMessage.L3] == [1, 1, 4, NOT_READY, NOT_READY, NOT_READY, 1, 0, 0, 0, 50]
 
 
 def test_a_message_with_pages_for_a_different_number_of_prefetches_is_refused():

@@ -1,10 +1,13 @@
 """No late writes: a storage call given up on (its deadline passed) may still write its bytes
 long after, and they must never land in host pages that were freed and handed to other KV.
 
-Reads land in staging the call owns; a buffer whose call was abandoned is quarantined until
-the call really returns, then goes back to the pool. A backup makes no header after its
-caller gave up. All of it against a third party's backend that implements only the abstract
-methods (`tests/helpers/slow_backend.py`), in process and installed for a real `simulate`."""
+Reads of whole pages land in the host pages themselves; a call given up on is named in the
+prefetch's result, and the step ledger holds those pages from other KV until it returned
+(`hicache/quarantine.py`). Reads of strided objects land in staging the call owns; a buffer
+whose call was abandoned is quarantined until the call really returns, then goes back to the
+pool. A backup makes no header after its caller gave up. All of it against third-party
+backends that write late (`tests/helpers/slow_backend.py`), in process and installed for a
+real `simulate`."""
 import json
 import subprocess
 import sys
@@ -21,6 +24,7 @@ from hicache_async.hicache.plugin import HiCachePlugin
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
+from hicache_async.storage.base import buffer_address
 from hicache_async.storage.file import FileStorage
 from hicache_async.storage.guarded import GuardedStorage
 from hicache_async.storage.staging import StagingPool
@@ -29,10 +33,11 @@ from hicache_async.transfer import page_store as page_store_module
 from hicache_async.transfer.page_store import PageStore
 from tests.helpers.engine_run import L3_WORKLOAD, assert_matches_reference
 from tests.helpers.installed_backend import installed_backend_env
-from tests.helpers.slow_backend import SlowReads
+from tests.helpers.slow_backend import SlowReads, SlowZeroCopy
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
 KEYS = make_key_scheme("rank-suffix", LAYOUT)
+STRIDED = make_key_scheme("unified", LAYOUT)      # an object per layer and head: views of a page, not runs
 HASHES = page_hashes(range(8 * 4), 4)
 FAST = CacheConfig(storage_timeout_s=0.3)
 
@@ -50,14 +55,32 @@ def _until(done, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_read_given_up_on_lands_in_quarantined_staging_never_in_the_host_pages():
-    slow = SlowReads(slow_read_s=0.5)
+def test_a_read_of_whole_pages_given_up_on_is_named_while_it_can_still_write_into_them():
+    slow = SlowZeroCopy(slow_read_s=0.5)
     host = _host()
     assert PageStore(slow, LAYOUT, KEYS).backup(HASHES, host, list(range(8))).ok == [True] * 8
     store = PageStore(GuardedStorage(slow, FAST), LAYOUT, KEYS)
     reader = HostPool(LAYOUT, 8)
     got = store.prefetch(HASHES, reader, list(range(8)))
-    assert (got.pages, got.errors, store.counters.storage_errors) == (0, 1, 1)
+    assert (got.pages, got.errors, len(got.late)) == (0, 1, 1)
+    assert not got.late[0].returned() and torch.count_nonzero(reader.tensor) == 0
+    _until(lambda: got.late[0].returned(), "the late read's return")
+    assert slow.late_reads == 1 and torch.equal(reader.tensor, host.tensor)   # its bytes did land, late
+    assert store.counters.quarantined_bytes == 0     # only headers were staged, and are back
+    slow.read_s = 0.0
+    reader.tensor.zero_()
+    got = store.prefetch(HASHES, reader, list(range(8)))
+    assert (got.pages, got.late) == (8, []) and torch.equal(reader.tensor, host.tensor)
+
+
+def test_a_strided_read_given_up_on_lands_in_quarantined_staging_never_in_the_host_pages():
+    slow = SlowReads(slow_read_s=0.5)
+    host = _host()
+    assert PageStore(slow, LAYOUT, STRIDED).backup(HASHES, host, list(range(8))).ok == [True] * 8
+    store = PageStore(GuardedStorage(slow, FAST), LAYOUT, STRIDED)
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(HASHES, reader, list(range(8)))
+    assert (got.pages, got.errors, got.late, store.counters.storage_errors) == (0, 1, [], 1)
     held = store.counters.quarantined_bytes
     assert held >= 8 * LAYOUT.page_bytes          # the call still runs: its buffer is out of the pool
     _until(lambda: slow.late_reads == 1 and store.counters.quarantined_bytes == 0, "the late read's return")
@@ -162,13 +185,32 @@ def test_a_run_on_a_backend_whose_reads_outlive_their_deadline_keeps_every_page_
     assert len(held_when_late) == slow.late_reads and all(held_when_late)   # quarantined meanwhile
 
 
-def test_simulate_on_an_installed_slow_backend_matches_the_reference(tmp_path):
-    env = installed_backend_env(tmp_path, "slow", "tests.helpers.slow_backend:SlowReads")
+def test_a_run_whose_reads_land_late_in_the_host_pages_themselves_keeps_every_page_right():
+    """The same run on a backend that reads into the host pages themselves, as a zero-copy
+    transfer does, and goes on after its deadline: the late bytes do land in host pages, and
+    the ledger holds those pages till then, so no page handed to other KV ever takes them."""
+    cfg = CacheConfig(device_pages=24, host_pages=40, page_size=8, prefetch_threshold=8,
+                      storage_timeout_s=0.3, storage_retry_s=0.2)
+    slow = SlowZeroCopy(slow_read_s=0.5)
+    plugin = HiCachePlugin(cfg, storage=slow, storage_name="slow")
+    report = assert_matches_reference(plugin, L3_WORKLOAD, ModelConfig())
+    assert report["storage_errors"] > 0 and report["tokens_from_l3"] == 0, report
+    _until(lambda: slow.late_reads > 0, "a late read")
+    host = plugin.l3.host.tensor
+    start, stop = host.data_ptr(), host.data_ptr() + host.numel() * host.element_size()
+    assert any(start <= buffer_address(part) < stop for part in slow.late_parts)   # into host pages
+
+
+@pytest.mark.parametrize("backend, tp", [("SlowReads", 1), ("SlowZeroCopy", 2)])
+def test_simulate_on_an_installed_slow_backend_matches_the_reference(tmp_path, backend, tp):
+    """On real ranks: with two, each rank holds the pages its own late calls may write into,
+    and both release them at the same step (the agreement compares their digests)."""
+    env = installed_backend_env(tmp_path, "slow", f"tests.helpers.slow_backend:{backend}")
     log, out = tmp_path / "late.log", tmp_path / "out.json"
     done = subprocess.run(
         [sys.executable, "-m", "hicache_async", "simulate", "--storage", "slow", "--slow-log", str(log),
          "--storage-timeout", "0.3", "--requests", "16", "--page-size", "8", "--device-pages", "48",
-         "--host-pages", "56", "--prefetch-threshold", "8", "--json", str(out)],
+         "--host-pages", "56", "--prefetch-threshold", "8", "--tp", str(tp), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -183,10 +225,11 @@ STREAM_HASHES = page_hashes(range(160 * 16), 16)                         # 160 p
 
 
 def _streamed_store(tmp_path, adapter_class=FileStorage) -> tuple[PageStore, HostPool]:
-    """160 pages backed up to a file store, which streams its reads through a ring."""
+    """160 pages backed up to a file store as an object per layer and head (4 KiB views of a
+    page, so reads are staged), which streams its reads through a ring."""
     host = HostPool(STREAM, 160)
     host.tensor.normal_(generator=torch.Generator().manual_seed(3))
-    keys = make_key_scheme("rank-suffix", STREAM)
+    keys = make_key_scheme("unified", STREAM)
     assert PageStore(FileStorage(str(tmp_path)), STREAM, keys).backup(STREAM_HASHES, host, list(range(160))).ok \
         == [True] * 160
     return PageStore(GuardedStorage(adapter_class(str(tmp_path)), FAST), STREAM, keys), host
@@ -211,10 +254,10 @@ def test_a_streamed_read_waits_for_each_slot_of_its_ring_before_refilling_it(tmp
 
 
 class SlowFile(FileStorage):
-    """The real file store, each object's read 20 ms slow (a busy drive)."""
+    """The real file store, each object's read 1.25 ms slow (a busy drive)."""
 
     def _read(self, *args):
-        time.sleep(0.02)
+        time.sleep(0.00125)
         return super()._read(*args)
 
 
