@@ -43,13 +43,17 @@ class SlowReads(StorageAdapter):
             memoryview(buf).cast("B")[:len(blob)] = blob
             out.append(len(blob))
         if call_abandoned():
-            self.late_reads += 1
-            self.late_bytes += sum(n for n in out if n > 0)
-            self.on_late()
-            if self.log:
-                with open(self.log, "a") as f:
-                    f.write(f"{sum(n for n in out if n > 0)} bytes read late\n")
+            self._noted_late(out)
         return out
+
+    def _noted_late(self, out: list[int]) -> None:
+        """A read that ended after its caller gave up on it, with its results `out`."""
+        self.late_reads += 1
+        self.late_bytes += sum(n for n in out if n > 0)
+        self.on_late()
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{sum(n for n in out if n > 0)} bytes read late\n")
 
     def close(self):
         pass
@@ -80,12 +84,7 @@ class SlowZeroCopy(SlowReads):
             if late:
                 self.late_parts += views
         if late:
-            self.late_reads += 1
-            self.late_bytes += sum(n for n in out if n > 0)
-            self.on_late()
-            if self.log:
-                with open(self.log, "a") as f:
-                    f.write(f"{sum(n for n in out if n > 0)} bytes read late\n")
+            self._noted_late(out)
         if landed is not None:
             landed(0, out)
         return out

@@ -55,12 +55,17 @@ def _until(done, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _slow_store(slow: SlowReads, keys) -> tuple[PageStore, HostPool, HostPool]:
+    """A store whose reads outlive their deadline, with 8 pages stored; their host pages and a
+    pool to read them into."""
+    host = _host()
+    assert PageStore(slow, LAYOUT, keys).backup(HASHES, host, list(range(8))).ok == [True] * 8
+    return PageStore(GuardedStorage(slow, FAST), LAYOUT, keys), host, HostPool(LAYOUT, 8)
+
+
 def test_a_read_of_whole_pages_given_up_on_is_named_while_it_can_still_write_into_them():
     slow = SlowZeroCopy(slow_read_s=0.5)
-    host = _host()
-    assert PageStore(slow, LAYOUT, KEYS).backup(HASHES, host, list(range(8))).ok == [True] * 8
-    store = PageStore(GuardedStorage(slow, FAST), LAYOUT, KEYS)
-    reader = HostPool(LAYOUT, 8)
+    store, host, reader = _slow_store(slow, KEYS)
     got = store.prefetch(HASHES, reader, list(range(8)))
     assert (got.pages, got.errors, len(got.late)) == (0, 1, 1)
     assert not got.late[0].returned() and torch.count_nonzero(reader.tensor) == 0
@@ -75,10 +80,7 @@ def test_a_read_of_whole_pages_given_up_on_is_named_while_it_can_still_write_int
 
 def test_a_strided_read_given_up_on_lands_in_quarantined_staging_never_in_the_host_pages():
     slow = SlowReads(slow_read_s=0.5)
-    host = _host()
-    assert PageStore(slow, LAYOUT, STRIDED).backup(HASHES, host, list(range(8))).ok == [True] * 8
-    store = PageStore(GuardedStorage(slow, FAST), LAYOUT, STRIDED)
-    reader = HostPool(LAYOUT, 8)
+    store, host, reader = _slow_store(slow, STRIDED)
     got = store.prefetch(HASHES, reader, list(range(8)))
     assert (got.pages, got.errors, got.late, store.counters.storage_errors) == (0, 1, [], 1)
     held = store.counters.quarantined_bytes
