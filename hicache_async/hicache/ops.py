@@ -57,6 +57,11 @@ class StorageOp(CacheOp):
         """Pages this rank's prefetch brought in (its leading run); 0 if it failed."""
         return getattr(self.result, "pages", 0)
 
+    @property
+    def late_calls(self) -> list:
+        """This rank's calls of it given up on that may still write into its host pages."""
+        return getattr(self.result, "late", [])
+
 
 class AckQueue:
     """Ops of one kind in issue order; only a leading run of completed ops may retire."""

@@ -162,8 +162,7 @@ class HiCachePlugin(KVPlugin):
 
     def _quarantined_bytes(self, counters: StoreCounters) -> int:
         """Memory that calls given up on may still write into: staging and held host pages."""
-        host_pages = self.ledger.quarantine.late_pages()
-        return counters.quarantined_bytes + (host_pages * self.l3.host.layout.page_bytes if host_pages else 0)
+        return counters.quarantined_bytes + self.ledger.quarantine.late_pages() * self.cache.host.layout.page_bytes
 
     # -- lifetime ---------------------------------------------------------------------------
 

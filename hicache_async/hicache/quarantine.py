@@ -42,8 +42,7 @@ class Quarantine:
         return len(self._held)
 
     def hold(self, pages: list[int], late: list[AbandonedCall], release: Callable[[list[int]], None]) -> None:
-        if pages:
-            self._held.append(Held(list(pages), list(late), release))
+        self._held.append(Held(list(pages), list(late), release))
 
     def offer(self) -> tuple[int, ...]:
         """Per set in the window, 1 when no call on this rank can still write into it."""

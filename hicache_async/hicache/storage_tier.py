@@ -164,7 +164,7 @@ class StorageTier:
             if self.cache.history is not None:
                 fetched = op.hashes[op.first_page: op.first_page + op.committed]
                 self.earlier_pages += self.cache.history.backed_up(fetched)
-        self.ledger.hold(unused, getattr(op.result, "late", []), self.host.alloc.release)
+        self.ledger.hold(unused, op.late_calls, self.host.alloc.release)
         self._count_errors(op)
 
     def _count_errors(self, op: StorageOp) -> None:
@@ -190,7 +190,7 @@ class StorageTier:
             self.tree.lock_host(op.node, -1)
         for op in self.ledger.drain(TransferKind.PREFETCH):
             self.tree.pin(op.node, -1)
-            self.ledger.hold(op.host_pages, getattr(op.result, "late", []), self.host.alloc.release)
+            self.ledger.hold(op.host_pages, op.late_calls, self.host.alloc.release)
         kept = self.ledger.quarantine.close()
         if kept:
             log.warning("%d host pages stay out of the pool: storage calls given up on may still write "

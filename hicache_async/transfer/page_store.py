@@ -280,11 +280,8 @@ class PageStore:
             offsets, nbytes = behind.offsets()
         try:
             with self.staging.lease(nbytes) as staging:
-                if direct:
-                    parts = [(staging[at:at + HEADER_BYTES], target) for at, target in zip(offsets, targets)]
-                else:
-                    parts = [(staging[at:at + HEADER_BYTES], staging[at + HEADER_BYTES:at + n])
-                             for at, n in zip(offsets, sizes)]
+                parts = [(staging[at:at + HEADER_BYTES], target if direct else staging[at + HEADER_BYTES:at + n])
+                         for at, n, target in zip(offsets, sizes, targets)]
                 try:
                     got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
                 except StorageError as exc:
