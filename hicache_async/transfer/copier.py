@@ -4,11 +4,10 @@ On CUDA each layer of an op is one gather or scatter kernel (`index_plan`) on a 
 copy stream, reading and writing the pinned host pool in place (unified addressing), and
 completes on a `torch.cuda.Event`. On CPU a worker thread takes the ops in FIFO order and
 sets host-side events. Big slabs move as strided copies of page runs a group of layers at
-a time (`run_plan`), the copies of each group shared with a helper thread: one thread
-moves little more than half of what `tensor.copy_` does on two, and the copies release
-the GIL. A group's events are set once both threads are done with it. Small slabs, where
-a call per run would cost more than the bytes, go through the index kernels a layer at a
-time. Either way the caller gets the same per-layer events and goes through the same ack
+a time (`run_plan`), the copies of each group shared with a helper thread (the copies
+release the GIL). A group's events are set once both threads are done with it. Small
+slabs, where a call per run would cost more than the bytes, go through the index kernels
+a layer at a time. Either way the caller gets the same per-layer events and goes through the same ack
 queues.
 """
 from __future__ import annotations
@@ -17,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .. import faults
@@ -46,6 +46,7 @@ class Copier:
         if self.cuda:
             self._streams = {"write": torch.cuda.Stream(), "load": torch.cuda.Stream()}
         else:
+            self._rows = {side: slabs.numpy() for side, slabs in self._slabs.items()}     # run copies
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hicache-copy")
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="hicache-copy-helper")
 
@@ -104,7 +105,7 @@ class Copier:
             count = self._slabs[side].shape[1]      # a run's slice past the end would quietly shrink
             if pages and not 0 <= min(pages) <= max(pages) < count:
                 raise IndexError(f"{side} pages {min(pages)}..{max(pages)} outside the pool's {count}")
-        runs = RunPlan.of(src_pages, dst_pages, self._slabs["device"])
+        runs = RunPlan.of(src_pages, dst_pages, self.layers, self.device.layout.layer_page_bytes)
         if runs is not None:
             yield from self._run_groups(kind, runs, dst_pages)
             return
@@ -117,7 +118,7 @@ class Copier:
     def _run_groups(self, kind: str, runs: RunPlan, dst_pages: list[int]) -> Iterator[range]:
         """The run copies of each group, taken by this thread and the helper from one deque, so
         whichever is free takes the next; a group has landed when both are done with it."""
-        src, dst = (self._slabs[side] for side in _SIDES[kind])
+        src, dst = (self._rows[side] for side in _SIDES[kind])
         groups = [range(first, min(first + runs.group, self.layers)) for first in range(0, self.layers, runs.group)]
         shared = [deque(runs.copies(group)) for group in groups]
         theirs = [Future() for _ in groups]
@@ -150,7 +151,7 @@ class Copier:
             kv[:, landed] *= 1 + 1e-3 * torch.randn_like(kv[:, landed])
 
 
-def _move_share(src: torch.Tensor, dst: torch.Tensor, shared: list[deque[Copy]], landed: list[Future]) -> None:
+def _move_share(src: np.ndarray, dst: np.ndarray, shared: list[deque[Copy]], landed: list[Future]) -> None:
     """The helper's side: takes copies of each group in order, completing the group's future
     once the copies it took have landed; stops at a failure or at a group its op gave up on."""
     for copies, future in zip(shared, landed):

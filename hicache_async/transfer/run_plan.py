@@ -1,28 +1,27 @@
 """Strided copies of page runs, a group of layers at a time: how the CPU moves big slabs.
 
-The index kernels copy a slab element by element; `Tensor.copy_` of a strided view moves
-whole rows with vector loads and stores. A run is a stretch of consecutive source pages
-going to consecutive destination pages, so a run's slabs over a span of layers are one
-strided view on either side: one `copy_`. A call has a fixed cost, so a span holds enough
-layers for a copy to move `_CALL_WORDS` words (one layer when runs are long), and long runs
-are cut into pieces of that size. No bigger: torch splits a bigger copy over its intra-op
-threads, and the copier runs two threads of its own (copies forking torch's threads from
-the copier's thread were what kept an earlier version of this plan at 0.4-0.5x
-`tensor.copy_`). Events are set a group of layers at a time, a group moving at least
-`_GROUP_BYTES`, as the two threads meet once per group. When even all the layers of an
-average run are under `_RUN_BYTES`, the calls would cost more than the bytes and the index
-kernels win.
+The index kernels copy a slab element by element; a copy of a strided view moves whole
+rows at memcpy speed. A run is a stretch of consecutive source pages going to consecutive
+destination pages, so a run's slabs over a span of layers are one strided view on either
+side: one copy. The copies run in numpy (`np.copyto` on views of the pools): a call costs
+about a microsecond where torch's `copy_` costs ten, numpy never forks threads of its own
+(the copier runs two), and it releases the GIL while it copies. A span holds enough layers
+for a copy to move `_PIECE_BYTES` (one layer when runs are long), and long runs are cut into
+pieces of that size, so a group splits into enough copies for two threads to share evenly.
+Events are set a group of layers at a time, a group moving at least `_GROUP_BYTES`, as the
+two threads meet once per group. When even all the layers of an average run are under
+`_RUN_BYTES`, the calls would cost more than the bytes and the index kernels win.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
-_CALL_WORDS = 32768     # torch's grain size: a copy of no more elements stays on its thread
-_RUN_BYTES = 32 << 10   # below this a run copy costs more than the index kernels
-_GROUP_BYTES = 4 << 20  # the least a group of layers moves: the threads meet once per group
+_PIECE_BYTES = 512 << 10    # the most one copy moves: a group is many, shared by two threads
+_RUN_BYTES = 32 << 10       # below this a run copy costs more than the index kernels
+_GROUP_BYTES = 4 << 20      # the least a group of layers moves: the threads meet once per group
 
 Piece = tuple[int, int, int]            # first source page, first destination page, pages
 Copy = tuple[slice, int, int, int]      # a piece over a span of layers
@@ -38,20 +37,19 @@ class RunPlan:
     group: int
 
     @classmethod
-    def of(cls, src_pages: list[int], dst_pages: list[int], slabs: torch.Tensor) -> RunPlan | None:
-        """`slabs`: either pool as (layers, pages, words). None when the runs are too short
-        for copies to beat the index kernels."""
-        layers, _, words = slabs.shape
+    def of(cls, src_pages: list[int], dst_pages: list[int], layers: int, slab_bytes: int) -> RunPlan | None:
+        """`slab_bytes`: one page of one layer. None when the runs are too short for copies
+        to beat the index kernels."""
         runs = _runs(src_pages, dst_pages)
         if not runs:
             return cls((), layers, layers)
-        run_words = max(1, words * len(src_pages) // len(runs))     # one layer of an average run
-        if run_words * layers * slabs.element_size() < _RUN_BYTES:
+        run_bytes = slab_bytes * len(src_pages) // len(runs)        # one layer of an average run
+        if run_bytes * layers < _RUN_BYTES:
             return None
-        span = max(1, min(layers, _CALL_WORDS // run_words))
-        layer_bytes = words * len(src_pages) * slabs.element_size()
+        span = max(1, min(layers, _PIECE_BYTES // run_bytes))
+        layer_bytes = slab_bytes * len(src_pages)
         group = min(layers, span * -(-_GROUP_BYTES // (span * layer_bytes)))
-        step = max(1, _CALL_WORDS // (span * words))                 # pages per piece
+        step = max(1, _PIECE_BYTES // (span * slab_bytes))           # pages per piece
         return cls(tuple((s + i, d + i, min(step, n - i)) for s, d, n in runs for i in range(0, n, step)),
                    span, group)
 
@@ -62,16 +60,16 @@ class RunPlan:
         return [(span, *piece) for span in spans for piece in self.pieces]
 
     @staticmethod
-    def move(src: torch.Tensor, dst: torch.Tensor, copies: deque[Copy]) -> None:
+    def move(src: np.ndarray, dst: np.ndarray, copies: deque[Copy]) -> None:
         """Pops copies until there are none left; threads that share the deque each pop
-        different ones (a deque's pops are thread-safe). `src` and `dst` are (layers, pages,
-        words)."""
+        different ones (a deque's pops are thread-safe). `src` and `dst` are either pool as
+        (layers, pages, words), in numpy."""
         while True:
             try:
                 layers, s, d, n = copies.popleft()
             except IndexError:
                 return
-            dst[layers, d:d + n].copy_(src[layers, s:s + n])
+            np.copyto(dst[layers, d:d + n], src[layers, s:s + n])
 
 
 def _runs(src_pages: list[int], dst_pages: list[int]) -> list[Piece]:

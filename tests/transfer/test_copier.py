@@ -21,7 +21,7 @@ BIG = LAYOUTS["big"]
 @pytest.fixture
 def many_groups(monkeypatch):
     """A copy per slab and a group per layer: the two threads share every group of an op."""
-    monkeypatch.setattr(run_plan, "_CALL_WORDS", BIG.layer_page_bytes // 16)
+    monkeypatch.setattr(run_plan, "_PIECE_BYTES", BIG.layer_page_bytes)
     monkeypatch.setattr(run_plan, "_GROUP_BYTES", 1)
 
 
@@ -52,9 +52,8 @@ def test_pages_land_exactly_when_both_threads_share_every_group(pattern, many_gr
 
 def test_big_slabs_move_as_run_copies_and_small_ones_through_the_index_kernels():
     for name, runs in (("big", True), ("wide", False), ("odd", False)):
-        c = Copier(DevicePool(LAYOUTS[name], POOL_PAGES), HostPool(LAYOUTS[name], POOL_PAGES))
-        assert (RunPlan.of([9, 2, 5], [1, 7, 3], c._slabs["device"]) is not None) == runs, name
-        c.close()
+        layout = LAYOUTS[name]
+        assert (RunPlan.of([9, 2, 5], [1, 7, 3], layout.num_layers, layout.layer_page_bytes) is not None) == runs, name
 
 
 @pytest.mark.parametrize("group_layers", [1, 2])
@@ -65,7 +64,7 @@ def test_each_event_is_set_in_order_once_its_group_of_layers_has_landed(group_la
     monkeypatch.setattr(run_plan, "_GROUP_BYTES", group_layers * len(device_pages) * BIG.layer_page_bytes)
     copier = _copier()
     copier.device.tensor.normal_()
-    assert RunPlan.of(device_pages, host_pages, copier._slabs["device"]).group == group_layers
+    assert RunPlan.of(device_pages, host_pages, BIG.num_layers, BIG.layer_page_bytes).group == group_layers
     seen: list[int] = []
 
     class Checked(copier_module.HostEvent):
