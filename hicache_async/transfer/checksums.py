@@ -132,30 +132,38 @@ class _Fence:
     """Lets work touch a caller's pages only while the caller still waits for the call.
 
     Work goes through `run`; `close` (the caller gave up) waits for work under way and turns
-    away any later with a StorageError: whichever comes first wins.
+    away any later with a StorageError: whichever comes first wins. Work runs once per group
+    of objects, so `run` takes a plain lock twice and nothing more; only a `close` that finds
+    work under way makes an event to wait on.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._active = 0
+        self._idle: threading.Event | None = None
         self.closed = False
 
     def run(self, work: Callable[..., T], *args) -> T:
-        with self._cond:
+        with self._lock:
             if self.closed:
                 raise StorageError("storage call abandoned: its pages are no longer its own")
             self._active += 1
         try:
             return work(*args)
         finally:
-            with self._cond:
+            with self._lock:
                 self._active -= 1
-                self._cond.notify_all()
+                if self._idle is not None and not self._active:
+                    self._idle.set()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self.closed = True
-            self._cond.wait_for(lambda: self._active == 0)
+            if not self._active:
+                return
+            if self._idle is None:
+                self._idle = threading.Event()
+        self._idle.wait()
 
 
 class Ahead:
@@ -212,13 +220,21 @@ class Behind(Generic[T]):
     no work of this batch is still touching its buffers, and late reports are ignored.
     """
 
-    def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T], streamed: bool = False) -> None:
+    def __init__(self, sizes: list[int], work: Callable[[range, list[int]], T], streamed: bool = False,
+                 each: bool = True) -> None:
         """`streamed`: the items land in a ring (`offsets`), so `landed` returns only once the
-        slot the reader fills next is free."""
+        slot the reader fills next is free. `each`: the adapter lands items one at a time, so
+        groups are checked while in cache; else all land as the call returns, and checks made
+        inline are one pass over the batch, with no hand-off per group."""
         self._fence = _Fence()
         self._work = functools.partial(self._fence.run, work)
         self._sizes = sizes
-        self._groups = groups(sizes, RING_GROUP) if streamed else groups(sizes)
+        if streamed:
+            self._groups = groups(sizes, RING_GROUP)
+        elif each or CHECKSUM_WORKERS:
+            self._groups = groups(sizes)
+        else:
+            self._groups = [range(len(sizes))] if sizes else []
         self._starts = {group.start: g for g, group in enumerate(self._groups)}
         self._got: list[int] = []
         self._futures: list[Future | _Done] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import struct
 
 import xxhash
@@ -28,6 +29,7 @@ NO_TENANT = bytes(8)
 _HEADER = struct.Struct("<4sHH8s8s8sIIIIQQ")
 HEADER_BYTES = _HEADER.size  # 64
 _PREFIX = struct.Struct("<4sHH8s8s8sIIIIQ")   # the fields before the checksum
+_KEY_AT = struct.calcsize("<4sHH8s8s")        # where the key digest sits
 
 
 class CorruptObject(HiCacheError):
@@ -67,6 +69,16 @@ def expected_prefix(key: str, spec: ObjectSpec, namespace: str, length: int, ten
     checking an object as it lands (`intact`) is one checksum and one compare.
     """
     return _PREFIX.pack(*_fields(key, spec, namespace, length, 0, tenant)[:-1])
+
+
+def expected_prefixes(specs: list[ObjectSpec], namespace: str, lengths: list[int],
+                      tenant: bytes = NO_TENANT) -> list[bytes]:
+    """`expected_prefix` of each object of a run of pages, `lengths` being the payload bytes
+    of one page's objects. Pages differ only in their keys, so the other fields are packed
+    once per object of a page, and each object costs one key digest."""
+    shared = [expected_prefix(spec.key, spec, namespace, n, tenant) for spec, n in zip(specs, lengths)]
+    return [prefix[:_KEY_AT] + _digest8(spec.key) + prefix[_KEY_AT + 8:]
+            for spec, prefix in zip(specs, itertools.cycle(shared))]
 
 
 def intact(header: memoryview, prefix: bytes, payload) -> bool:

@@ -49,7 +49,7 @@ from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter, buffe
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
 from .checksums import Ahead, Behind
-from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefix, intact
+from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefixes, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 STAGING_BYTES = 32 << 20    # most bytes per staged prefetch call, unless one page is more
@@ -129,26 +129,24 @@ class PageStore:
                     pass                # and the next backup tries again
             return self._hosts[ptr][1]
 
-    @staticmethod
-    def _whole_page(host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | None:
-        """The object's bytes in place when it is a whole host page (every layer and head this
-        rank holds), else None: a slice of one view, far cheaper than a tensor view per object."""
-        if len(spec.layers) != host.tensor.shape[1] or len(spec.heads) != host.tensor.shape[4]:
-            return None
-        size = host.layout.page_bytes
-        return pool[page * size:(page + 1) * size]
+    def _in_place(self, host: HostPool, pool: memoryview, pages: list[int],
+                  specs: list[list[ObjectSpec]]) -> list[list[memoryview | None]]:
+        """Each object's bytes in the host pool when it is a whole page (every layer and head
+        this rank holds), else None: a slice of one view, far cheaper than a tensor view per
+        object. A key scheme gives every page objects of the same layers and heads, so which
+        objects are whole pages is decided once."""
+        layers, heads, size = host.tensor.shape[1], host.tensor.shape[4], host.layout.page_bytes
+        whole = [len(spec.layers) == layers and len(spec.heads) == heads for spec in specs[0]] if specs else []
+        return [[pool[page * size:(page + 1) * size] if w else None for w in whole] for page in pages]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
         l0, h0 = spec.layers.start - self.layout.first_layer, spec.heads.start - self.layout.first_head
         return host.tensor[page, l0:l0 + len(spec.layers), :, :, h0:h0 + len(spec.heads), :]
 
-    def _dest(self, host: HostPool, pool: memoryview, page: int, spec: ObjectSpec) -> memoryview | torch.Tensor:
-        """Where one object's payload goes in the host pool: its bytes when they are one run,
+    def _dest(self, host: HostPool, page: int, spec: ObjectSpec) -> memoryview | torch.Tensor:
+        """Where a payload that is not a whole page goes: its bytes when they are one run,
         else the (strided) tensor view."""
-        whole = self._whole_page(host, pool, page, spec)
-        if whole is not None:
-            return whole
         slot = self._slot(host, page, spec)
         return tensor_bytes(slot).cast("B") if slot.is_contiguous() else slot
 
@@ -173,10 +171,11 @@ class PageStore:
         if not mine:
             return result
         pool = self._host_bytes(host, pin=True)
+        specs = [self.keys.objects(page_hashes[i]) for i in mine]
+        in_place = self._in_place(host, pool, [host_pages[i] for i in mine], specs)
         jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
-        for i in mine:
-            for spec in self.keys.objects(page_hashes[i]):
-                payload = self._whole_page(host, pool, host_pages[i], spec)
+        for i, page_specs, page_bytes in zip(mine, specs, in_place):
+            for spec, payload in zip(page_specs, page_bytes):
                 if payload is None or self.fault == "corrupt-stored":
                     copies.append(self._slot(host, host_pages[i], spec).contiguous())
                     if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
@@ -239,8 +238,9 @@ class PageStore:
             return result
         pool = self._host_bytes(host, pin=True)
         specs = [self.keys.objects(h) for h in page_hashes]
-        dests = [[self._dest(host, pool, page, spec) for spec in page_specs]
-                 for page, page_specs in zip(host_pages, specs)]
+        in_place = self._in_place(host, pool, host_pages, specs)
+        dests = [[dest if dest is not None else self._dest(host, page, spec) for spec, dest in zip(page_specs, ours)]
+                 for page, page_specs, ours in zip(host_pages, specs, in_place)]
         direct = all(isinstance(dest, memoryview) for page_dests in dests for dest in page_dests)
         page_bytes = sum(HEADER_BYTES + d.nbytes for d in dests[0])
         per_call = PREFETCH_CHUNK_PAGES if direct or self.adapter.lands_each else \
@@ -271,9 +271,10 @@ class PageStore:
                    for spec, dest in zip(page_specs, page_dests)]
         targets = [dest for _, dest in objects]
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
-        prefixes = [expected_prefix(spec.key, spec, self.namespace, dest.nbytes, tenant) for spec, dest in objects]
+        prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace, [d.nbytes for d in targets[:per_page]],
+                                     tenant)
         behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
-                        streamed=self.adapter.lands_each and not direct)
+                        streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
         if direct:
             offsets, nbytes = list(range(0, HEADER_BYTES * len(sizes), HEADER_BYTES)), HEADER_BYTES * len(sizes)
         else:

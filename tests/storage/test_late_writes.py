@@ -129,13 +129,16 @@ def test_abandon_waits_for_a_copy_under_way_and_none_starts_after(workers, monke
     behind = checksums.Behind([10] * 3, copy)
     threading.Thread(target=behind.landed, args=(0, [10])).start()   # the adapter's thread
     assert started.wait(5)
-    abandoning = threading.Thread(target=behind.abandon)
-    abandoning.start()
-    abandoning.join(0.2)
-    assert abandoning.is_alive()                     # the copy under way won the race: awaited
+    abandoning = [threading.Thread(target=behind.abandon) for _ in range(2)]   # the guard, and an error path
+    for thread in abandoning:
+        thread.start()
+    for thread in abandoning:
+        thread.join(0.2)
+    assert all(thread.is_alive() for thread in abandoning)     # the copy under way won the race: awaited
     release.set()
-    abandoning.join(5)
-    assert not abandoning.is_alive()
+    for thread in abandoning:
+        thread.join(5)
+    assert not any(thread.is_alive() for thread in abandoning)
     behind.landed(1, [10, 10])                       # the abandoned call reports late
     time.sleep(0.05)
     assert copied == [0]
@@ -226,7 +229,7 @@ STREAM = KVLayout(num_layers=8, kv_heads=2, head_dim=64, page_size=16)   # 64 Ki
 STREAM_HASHES = page_hashes(range(160 * 16), 16)                         # 160 pages: 10 MiB
 
 
-def _streamed_store(tmp_path, adapter_class=FileStorage) -> tuple[PageStore, HostPool]:
+def _streamed_store(tmp_path, adapter_class=FileStorage, config=FAST) -> tuple[PageStore, HostPool]:
     """160 pages backed up to a file store as an object per layer and head (4 KiB views of a
     page, so reads are staged), which streams its reads through a ring."""
     host = HostPool(STREAM, 160)
@@ -234,7 +237,7 @@ def _streamed_store(tmp_path, adapter_class=FileStorage) -> tuple[PageStore, Hos
     keys = make_key_scheme("unified", STREAM)
     assert PageStore(FileStorage(str(tmp_path)), STREAM, keys).backup(STREAM_HASHES, host, list(range(160))).ok \
         == [True] * 160
-    return PageStore(GuardedStorage(adapter_class(str(tmp_path)), FAST), STREAM, keys), host
+    return PageStore(GuardedStorage(adapter_class(str(tmp_path)), config), STREAM, keys), host
 
 
 def test_a_streamed_read_waits_for_each_slot_of_its_ring_before_refilling_it(tmp_path, monkeypatch):
@@ -248,7 +251,7 @@ def test_a_streamed_read_waits_for_each_slot_of_its_ring_before_refilling_it(tmp
         time.sleep(0.01)
         return land(*args)
     monkeypatch.setattr(page_store_module, "_land", slow_land)
-    store, host = _streamed_store(tmp_path)
+    store, host = _streamed_store(tmp_path, config=CacheConfig(storage_timeout_s=30))     # the ring, not the deadline
     reader = HostPool(STREAM, 160)
     got = store.prefetch(STREAM_HASHES, reader, list(range(160)))
     assert (got.pages, got.corrupt) == (160, 0) and torch.equal(reader.tensor, host.tensor)

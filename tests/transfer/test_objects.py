@@ -11,6 +11,7 @@ from hicache_async.transfer.objects import (
     checksum,
     encode_header,
     expected_prefix,
+    expected_prefixes,
     intact,
     verify,
 )
@@ -52,6 +53,17 @@ def test_intact_checks_every_header_byte_against_a_prefix_made_before_the_read()
     assert not intact(header, prefix, PAYLOAD)
     with pytest.raises(CorruptObject, match="checksum"):
         verify("k1", SPEC, "ns", header, PAYLOAD)
+
+
+def test_prefixes_of_a_run_of_pages_are_each_objects_own():
+    """Several objects a page (a layer each), several pages: packed once per object of a page,
+    each must still equal the prefix packed from its own fields."""
+    specs = [ObjectSpec(f"{page}-L{layer}", range(layer, layer + 1), range(0, 4))
+             for page in ("a", "b", "c") for layer in range(3)]
+    lengths = [100, 200, 300]
+    got = expected_prefixes(specs, "ns", lengths, b"tenant-1")
+    assert got == [expected_prefix(spec.key, spec, "ns", lengths[i % 3], b"tenant-1") for i, spec in enumerate(specs)]
+    assert len(set(got)) == len(specs)
 
 
 def test_an_object_of_another_tenant_is_corrupt():

@@ -59,6 +59,16 @@ def test_behind_takes_results_in_pieces_and_ignores_late_ones(workers):
     assert ran == []
 
 
+def test_a_batch_that_lands_at_once_is_checked_in_one_pass_inline_and_in_groups_on_a_pool(workers):
+    """An adapter that does not land each object hands every result over as its call returns:
+    inline, the checks are then one pass with no hand-off per group; a pool still shares them."""
+    behind = checksums.Behind([10] * 10, lambda group, got: (group, got), each=False)
+    outcomes = behind.finish(list(range(10)))
+    expected = [range(0, 4), range(4, 8), range(8, 10)] if workers else [range(0, 10)]
+    assert [group for group, _ in outcomes] == expected
+    assert [n for _, got in outcomes for n in got] == list(range(10))
+
+
 def test_page_store_round_trip_is_the_same_either_way(workers):
     host = HostPool(LAYOUT, 8)
     host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(1)))
