@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import selectors
 import signal
@@ -19,6 +20,7 @@ from hicache_async.parallel.dist_wait import wait_work
 from hicache_async.sim.ranks.launcher import launch
 from hicache_async.topology import RankCoords
 
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)   # signals one thread of a process
 ROOT = Path(__file__).parents[2]   # where `tests.helpers` is importable
 
 
@@ -220,6 +222,22 @@ def test_ctrl_c_stops_every_rank_quietly(launcher):
     time.sleep(0.5)
     assert all(alive(pid) for pid in pids) and proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "interrupted" in out
+    assert "Traceback" not in err, err
+    assert wait_until_dead(pids, 1.0) == []
+
+
+def test_ctrl_c_taken_by_another_thread_still_stops_the_run(launcher):
+    """The kernel may hand a process's SIGINT to any thread that does not block it (the
+    launcher has OpenBLAS's workers): the main thread must still wake up and act on it."""
+    proc, pids = launcher
+    if SYS_TGKILL is None:
+        pytest.skip(f"no tgkill number known for {os.uname().machine}")
+    others = [int(tid) for tid in os.listdir(f"/proc/{proc.pid}/task") if int(tid) != proc.pid]
+    assert others, "the launcher has no thread but its main one: nothing to hand the signal to"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(SYS_TGKILL, proc.pid, others[0], signal.SIGINT) == 0, ctypes.get_errno()
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "interrupted" in out
     assert "Traceback" not in err, err

@@ -32,6 +32,8 @@ __all__ = ["RankContext", "die_with_parent", "launch"]  # a target gets a RankCo
 STOP_GRACE_S = 2.0
 LINGER_S = 10.0  # a failed rank keeps its sockets open this long so peers cannot report first
 PR_SET_PDEATHSIG = 1
+WAKE_S = 0.5     # the longest the parent sleeps: a Ctrl-C the kernel hands to another of its
+                 # threads (OpenBLAS starts some) is only acted on once the main thread wakes
 
 
 @dataclass
@@ -85,10 +87,10 @@ def _collect(ranks: list[_Rank], on_progress: Callable[[dict], None],
     by_conn = {r.conn: r for r in ranks}
     by_sentinel = {r.process.sentinel: r for r in ranks}
     while not all(r.done for r in ranks):
-        timeout = None if deadline is None else deadline - time.monotonic()
-        if timeout is not None and timeout <= 0:
+        timeout = WAKE_S if deadline is None else deadline - time.monotonic()
+        if timeout <= 0:
             raise HiCacheError(f"run did not finish within its deadline of {deadline_s:g} s")
-        ready = wait([*by_conn, *by_sentinel], timeout)
+        ready = wait([*by_conn, *by_sentinel], min(timeout, WAKE_S))
         # A silent death is a root cause; peers' errors in the same batch are its cascade.
         for rank in [by_sentinel.pop(s) for s in ready if s in by_sentinel]:
             _drain(rank, by_conn, on_progress)
