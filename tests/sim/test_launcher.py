@@ -164,11 +164,15 @@ def test_awaited_all_reduce_costs_about_a_blocking_one():
 
 
 LAUNCHER_SCRIPT = """
+import signal
 import sys
 sys.path.insert(0, {root!r})
 from hicache_async.sim.ranks.launcher import launch
 
 if __name__ == "__main__":
+    # Ctrl-C handled as in a terminal's foreground job, even when the suite runs as a background
+    # job: that starts with SIGINT ignored, and a child inherits it (the tests would hang)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:sleep_forever", payload={{}},
                on_progress=lambda info: print("PID", info["pid"], flush=True))
