@@ -7,8 +7,8 @@ sets host-side events. Big slabs move as strided copies of page runs a group of 
 a time (`run_plan`), the copies of each group shared with a helper thread (the copies
 release the GIL). A group's events are set once both threads are done with it. Small
 slabs, where a call per run would cost more than the bytes, go through the index kernels
-a layer at a time. Either way the caller gets the same per-layer events and goes through the same ack
-queues.
+a layer at a time. Either way the caller gets the same per-layer events and goes through
+the same ack queues.
 """
 from __future__ import annotations
 

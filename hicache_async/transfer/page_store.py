@@ -271,8 +271,8 @@ class PageStore:
                    for spec, dest in zip(page_specs, page_dests)]
         targets = [dest for _, dest in objects]
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
-        prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace, [d.nbytes for d in targets[:per_page]],
-                                     tenant)
+        prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace,
+                                     [dest.nbytes for dest in targets[:per_page]], tenant)
         behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
                         streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
         if direct:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -87,10 +88,10 @@ def _collect(ranks: list[_Rank], on_progress: Callable[[dict], None],
     by_conn = {r.conn: r for r in ranks}
     by_sentinel = {r.process.sentinel: r for r in ranks}
     while not all(r.done for r in ranks):
-        timeout = WAKE_S if deadline is None else deadline - time.monotonic()
-        if timeout <= 0:
+        left = math.inf if deadline is None else deadline - time.monotonic()
+        if left <= 0:
             raise HiCacheError(f"run did not finish within its deadline of {deadline_s:g} s")
-        ready = wait([*by_conn, *by_sentinel], min(timeout, WAKE_S))
+        ready = wait([*by_conn, *by_sentinel], min(left, WAKE_S))
         # A silent death is a root cause; peers' errors in the same batch are its cascade.
         for rank in [by_sentinel.pop(s) for s in ready if s in by_sentinel]:
             _drain(rank, by_conn, on_progress)
