@@ -1,8 +1,12 @@
 """The package's layering, read from its source: the ground floor imports nothing above it,
-and no two modules import each other, however indirectly (README, "Layout")."""
+and no two modules import each other, however indirectly. And its map, the README's
+"Layout": it names every module and package, names no file that is gone, and its ground
+floor is the one held to here."""
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 import hicache_async
 
 PACKAGE = Path(hicache_async.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 GROUND = {f"hicache_async.{name}" for name in (
     "errors", "config", "layout", "request", "keys", "partition", "topology", "kinds", "clock", "events",
     "pools", "daemon_threads", "faults")}
@@ -65,3 +70,31 @@ def test_no_import_circles():
         TopologicalSorter(import_graph()).prepare()
     except CycleError as exc:
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+def _layout() -> str:
+    """The code block of the README's Layout section."""
+    readme = (ROOT / "README.md").read_text()
+    return readme[readme.index("## Layout"):].split("```")[1]
+
+
+def test_every_module_and_package_is_on_the_map():
+    words = set(re.findall(r"\w+", _layout()))
+    sources = [path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts]
+    modules = {path.stem for path in sources if path.stem not in ("__init__", "__main__")}
+    packages = {path.parent.name for path in sources if path.name == "__init__.py"}
+    assert sorted(modules - words) == []
+    assert sorted(packages - words) == []
+
+
+def test_every_file_the_map_names_exists():
+    named = set(re.findall(r"(\w+)\.py", _layout()))
+    existing = {path.stem for path in PACKAGE.rglob("*.py")}
+    assert sorted(named - existing) == []
+
+
+def test_the_maps_ground_floor_is_the_tested_one():
+    lines = _layout().splitlines()
+    at = next(i for i, line in enumerate(lines) if "ground floor" in line)
+    floor = " ".join(itertools.takewhile(lambda line: line.startswith("    "), lines[at + 1:]))
+    assert {f"hicache_async.{name}" for name in re.findall(r"(\w+)\.py", floor)} == GROUND

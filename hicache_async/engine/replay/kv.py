@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ...request import Request
-from ..splitmix import splitmix64
+from .splitmix import splitmix64
 
 _SALT = np.uint64(0x6B76_7265_706C_6179)    # "kvreplay": this function's version
 _MULT = np.uint32(0x9E3779B1)

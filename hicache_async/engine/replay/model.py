@@ -26,10 +26,10 @@ from ...layout import KVLayout
 from ...request import Request
 from ...topology import RankCoords, check_topology, kv_head_range, split_range
 from ..scheduler import Scheduler
-from ..splitmix import splitmix64
 from ..tiny.model import SeqChunk
 from .clock import ForwardTimer
 from .kv import ReplayKV
+from .splitmix import splitmix64
 from .trace import VOCAB
 from .workload import ReplayWorkload
 

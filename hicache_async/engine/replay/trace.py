@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import UsageError
-from ..splitmix import splitmix64
+from .splitmix import splitmix64
 
 BLOCK_TOKENS = 512
 VOCAB = 131_072          # token ids stay well inside the 4 bytes a page hash packs them in
