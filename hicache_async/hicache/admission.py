@@ -147,8 +147,8 @@ class Admissions:
             if not event.query():
                 await event.wait(self.config.sync_timeout_s, f"{self.tracer.coords.label()}: load of layer {layer}")
             if event.error is not None:
-                raise CopyFailed(f"{self.tracer.coords.label()}: load op of {op.pages} pages for request {req.id} failed: "
-                                 f"{event.error}")
+                raise CopyFailed(f"{self.tracer.coords.label()}: load op of {op.pages} pages for request {req.id} "
+                                 f"failed: {event.error}")
 
     def finish(self, req: Request) -> None:
         state = self.requests.pop(req.id)

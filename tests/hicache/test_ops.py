@@ -108,7 +108,8 @@ def test_copier_round_trips_pages_layer_by_layer():
     events = copier.load([0, 7], [1, 3])
     asyncio.run(events[-1].wait(5, "load"))
     assert all(e.query() for e in events)
-    assert torch.equal(device.tensor[:, 1], device.tensor[:, 5]) and torch.equal(device.tensor[:, 3], device.tensor[:, 2])
+    assert torch.equal(device.tensor[:, 1], device.tensor[:, 5])
+    assert torch.equal(device.tensor[:, 3], device.tensor[:, 2])
     copier.close()
 
 

@@ -167,10 +167,10 @@ def _file_figures(pages: int, reps: int) -> list[dict]:
                     checksum(view)
 
         backup, prefetch = {}, {}
-        writes = {"store": store_backup, "raw": lambda r: put("raw", r, False), "bound": lambda r: put("bound", r, True),
-                  "sealed": sealed_backup}
-        reads = {"store": store_prefetch, "raw": lambda r: get("raw", r, False), "bound": lambda r: get("bound", r, True),
-                 "sealed": sealed_prefetch}
+        writes = {"store": store_backup, "raw": lambda r: put("raw", r, False),
+                  "bound": lambda r: put("bound", r, True), "sealed": sealed_backup}
+        reads = {"store": store_prefetch, "raw": lambda r: get("raw", r, False),
+                 "bound": lambda r: get("bound", r, True), "sealed": sealed_prefetch}
         for r in range(reps):
             _round(writes, r, nbytes, backup, settle=os.sync)
             _age(root)

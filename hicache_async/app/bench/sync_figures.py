@@ -4,9 +4,9 @@ one recv/isend hop — in the same run.
 
 Idle means nothing is pending, so the step is reap, agree and retire nothing: the per-step
 price every rank pays, with no collective beyond the baseline's (`extra_collectives` counts
-the world reductions that pending storage ops would add; idle, it must be 0). Four ranks share two cores here, so scheduling noise swings whole runs
-by 2-4x. The two are therefore interleaved in short blocks inside one event loop, and their
-totals compared.
+the world reductions that pending storage ops would add; idle, it must be 0). Four ranks
+share two cores here, so scheduling noise swings whole runs by 2-4x. The two are therefore
+interleaved in short blocks inside one event loop, and their totals compared.
 """
 from __future__ import annotations
 

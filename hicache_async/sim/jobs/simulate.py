@@ -34,7 +34,8 @@ def run(args: RunArgs, cache: CacheConfig, spec: WorkloadSpec, model: ModelConfi
         recorder.save(payload["kv_reference"])
         reports, run_id, cached_s = launch_ranks(args, "hicache_async.sim.jobs.simulate_rank:run_rank", payload,
                                                  spec.requests, "simulate", scratch=kv_dir)
-    result = summarize(args, model.attention, reports, reference, run_id, cached_s, storage["name"] if storage else "none")
+    backend = storage["name"] if storage else "none"
+    result = summarize(args, model.attention, reports, reference, run_id, cached_s, backend)
     result["tenants"] = spec.tenants
     return result
 
