@@ -1,7 +1,7 @@
 """The package's layering, read from its source: the ground floor imports nothing above it,
 and no two modules import each other, however indirectly. And its map, the README's
-"Layout": it names every module and package, names no file that is gone, and its ground
-floor is the one held to here."""
+"Layout": it names every package, and every module in its own package's entry, names no
+file that is gone, and its ground floor is the one held to here."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +15,6 @@ import pytest
 import hicache_async
 
 PACKAGE = Path(hicache_async.__file__).parent
-ROOT = Path(__file__).resolve().parents[2]
 GROUND = {f"hicache_async.{name}" for name in (
     "errors", "config", "layout", "request", "keys", "partition", "topology", "kinds", "clock", "events",
     "pools", "daemon_threads", "faults")}
@@ -72,29 +71,57 @@ def test_no_import_circles():
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
 
 
-def _layout() -> str:
-    """The code block of the README's Layout section."""
-    readme = (ROOT / "README.md").read_text()
-    return readme[readme.index("## Layout"):].split("```")[1]
+def _map() -> dict[str, str]:
+    """The README Layout's text about each package of `hicache_async`, by its path ("" for the
+    top-level modules): an entry `name/` opens a package, nested by its indent under the entry
+    above it; file lines (`api.py`, the ground floor) belong to the top level."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    block = readme[readme.index("## Layout"):].split("```")[1]
+    texts: dict[str, str] = {}
+    opened: dict[int, str | None] = {}    # indent -> the entry opened at it
+    current = None
+    for line in block.splitlines():
+        indent, head = len(line) - len(line.lstrip()), (line.split() or [""])[0]
+        if head.endswith("/"):
+            if indent == 0:
+                current = "" if head == "hicache_async/" else None
+            else:
+                parent = opened.get(indent - 2)
+                current = None if parent is None else f"{parent}/{head[:-1]}" if parent else head[:-1]
+            opened[indent] = current
+        elif head.rstrip(",").endswith(".py") and indent <= 4 and opened.get(0) == "":
+            current = ""
+        if current is not None:
+            texts[current] = texts.get(current, "") + line + "\n"
+    return texts
 
 
-def test_every_module_and_package_is_on_the_map():
-    words = set(re.findall(r"\w+", _layout()))
-    sources = [path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts]
-    modules = {path.stem for path in sources if path.stem not in ("__init__", "__main__")}
-    packages = {path.parent.name for path in sources if path.name == "__init__.py"}
-    assert sorted(modules - words) == []
-    assert sorted(packages - words) == []
+def _sources() -> dict[str, set[str]]:
+    """The modules of each package, by its path ("" for the top level)."""
+    out: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        package = "" if path.parent == PACKAGE else path.parent.relative_to(PACKAGE).as_posix()
+        out.setdefault(package, set()).add(path.stem)
+    return out
+
+
+def test_every_package_and_module_is_on_the_map_under_its_own_package():
+    texts, sources = _map(), _sources()
+    assert sorted(sources.keys() - texts.keys()) == []
+    unnamed = {package: sorted(modules - {"__init__", "__main__"} - set(re.findall(r"\w+", texts[package])))
+               for package, modules in sources.items()}
+    assert {package: names for package, names in unnamed.items() if names} == {}
 
 
 def test_every_file_the_map_names_exists():
-    named = set(re.findall(r"(\w+)\.py", _layout()))
-    existing = {path.stem for path in PACKAGE.rglob("*.py")}
-    assert sorted(named - existing) == []
+    texts, sources = _map(), _sources()
+    gone = {package: sorted(set(re.findall(r"(\w+)\.py", text)) - sources.get(package, set()))
+            for package, text in texts.items()}
+    assert {package: names for package, names in gone.items() if names} == {}
 
 
 def test_the_maps_ground_floor_is_the_tested_one():
-    lines = _layout().splitlines()
+    lines = _map()[""].splitlines()
     at = next(i for i, line in enumerate(lines) if "ground floor" in line)
     floor = " ".join(itertools.takewhile(lambda line: line.startswith("    "), lines[at + 1:]))
     assert {f"hicache_async.{name}" for name in re.findall(r"(\w+)\.py", floor)} == GROUND
