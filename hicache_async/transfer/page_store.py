@@ -48,7 +48,7 @@ from ..pools import HostPool, tensor_bytes
 from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter, buffer_address
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
-from .checksums import Ahead, Behind
+from .checksums import Ahead, Behind, InPlace, checks_inline
 from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefixes, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
@@ -265,7 +265,8 @@ class PageStore:
         in turn) and each good object is copied to its host page. What an object is checked
         against (its size, its header up to the checksum) is worked out before the call, so
         what runs per object while the bytes stream in, evicting everything else from cache,
-        is one checksum, one compare and at most one copy from cache."""
+        is one checksum, one compare and at most one copy from cache; for a direct read
+        checked inline, straight from the adapter's report of the object (`InPlace`)."""
         per_page = len(specs[0])
         objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
                    for spec, dest in zip(page_specs, page_dests)]
@@ -273,8 +274,11 @@ class PageStore:
         sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
         prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace,
                                      [dest.nbytes for dest in targets[:per_page]], tenant)
-        behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
-                        streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
+        if direct and checks_inline():
+            behind = InPlace(lambda i, n: _verdict(n, sizes[i], prefixes[i], *parts[i]))
+        else:
+            behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
+                            streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
         if direct:
             offsets, nbytes = list(range(0, HEADER_BYTES * len(sizes), HEADER_BYTES)), HEADER_BYTES * len(sizes)
         else:
@@ -320,11 +324,10 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
     page unless it was read there, and what ended the group early (None: nothing)."""
     ok = []
     for i, n in zip(group, got):
-        if n in (MISSING, FORGED):
-            return ok, "missing" if n == MISSING else "forged"
         header, payload = parts[i]
-        if n != sizes[i] or not intact(header, prefixes[i], payload):
-            return ok, "corrupt"
+        end = _verdict(n, sizes[i], prefixes[i], header, payload)
+        if end is not None:
+            return ok, end
         target = targets[i]
         if isinstance(target, torch.Tensor):
             target.copy_(torch.frombuffer(payload, dtype=target.dtype).view(target.shape))
@@ -332,3 +335,10 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
             ctypes.memmove(buffer_address(target), buffer_address(payload), payload.nbytes)   # GIL-free
         ok.append(n)
     return ok, None
+
+
+def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload) -> str | None:
+    """Why an object read as `got` bytes is no good (missing, forged, corrupt); None: intact."""
+    if got != size:
+        return "missing" if got == MISSING else "forged" if got == FORGED else "corrupt"
+    return None if intact(header, prefix, payload) else "corrupt"

@@ -7,6 +7,7 @@ import torch
 
 from hicache_async.keys import make_key_scheme, page_hashes
 from hicache_async.pools import HostPool
+from hicache_async.storage.file import FileStorage
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.transfer import checksums
 from hicache_async.transfer.page_store import PageStore
@@ -80,3 +81,50 @@ def test_page_store_round_trip_is_the_same_either_way(workers):
     got = store.prefetch(hashes, reader, list(range(7, -1, -1)))
     assert (got.pages, got.corrupt, got.missing) == (8, 0, 0)
     assert torch.equal(reader.tensor.flip(0), host.tensor)
+
+
+def test_in_place_checks_each_object_as_it_lands_until_one_fails():
+    checked = []
+
+    def check(i, n):
+        checked.append(i)
+        return "corrupt" if n == 0 else None
+    in_place = checksums.InPlace(check)
+    in_place.landed(0, [7])
+    in_place.landed(1, [7, 7])
+    in_place.landed(3, [0, 7])                  # object 3 fails: the run ends there, unchecked beyond
+    in_place.landed(5, [7])
+    assert in_place.finish([7, 7, 7, 0, 7, 7]) == [([7, 7, 7], "corrupt")]
+    assert checked == [0, 1, 2, 3]
+    unreported = checksums.InPlace(check)       # an adapter that reports nothing: checked at finish
+    assert unreported.finish([7, 7]) == [([7, 7], None)]
+
+
+def test_in_place_checks_stop_once_the_caller_gave_up():
+    checked = []
+    in_place = checksums.InPlace(lambda i, n: checked.append(i))
+    in_place.landed(0, [7, 7])
+    in_place.abandon()
+    in_place.landed(2, [7])
+    assert checked == [0, 1]
+
+
+def test_a_direct_read_stops_at_the_first_bad_object_either_way(workers, tmp_path):
+    """Whole pages read in place: checked inline as they land (InPlace) or on a pool (Behind),
+    a flipped byte ends the verified run at its page, and the pages before it are exact."""
+    host = HostPool(LAYOUT, 8)
+    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(2)))
+    keys = make_key_scheme("rank-suffix", LAYOUT)
+    store = PageStore(FileStorage(str(tmp_path)), LAYOUT, keys)
+    hashes = page_hashes(range(8 * 4), 4)
+    assert store.backup(hashes, host, list(range(8))).ok == [True] * 8
+    path = store.adapter._path(keys.objects(hashes[5])[0].key)
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    reader = HostPool(LAYOUT, 8)
+    got = store.prefetch(hashes, reader, list(range(8)))
+    assert (got.pages, got.corrupt, got.missing) == (5, 1, 0)
+    assert torch.equal(reader.tensor[:5], host.tensor[:5])
