@@ -275,26 +275,26 @@ class PageStore:
         prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace,
                                      [dest.nbytes for dest in targets[:per_page]], tenant)
         if direct and checks_inline():
-            behind = InPlace(lambda i, n: _verdict(n, sizes[i], prefixes[i], *parts[i]))
+            checks = InPlace(lambda i, n: _verdict(n, sizes[i], prefixes[i], *parts[i]))
         else:
-            behind = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
+            checks = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
                             streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
         if direct:
             offsets, nbytes = list(range(0, HEADER_BYTES * len(sizes), HEADER_BYTES)), HEADER_BYTES * len(sizes)
         else:
-            offsets, nbytes = behind.offsets()
+            offsets, nbytes = checks.offsets()
         try:
             with self.staging.lease(nbytes) as staging:
                 parts = [(staging[at:at + HEADER_BYTES], target if direct else staging[at + HEADER_BYTES:at + n])
                          for at, n, target in zip(offsets, sizes, targets)]
                 try:
-                    got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=behind.landed)
+                    got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=checks.landed)
                 except StorageError as exc:
-                    behind.abandon()    # a copy under way ends, no other starts: the pages are freed next
+                    checks.abandon()    # work under way ends, no other starts: the pages are freed next
                     if direct and isinstance(exc, AbandonedCall):
                         result.late.append(exc)
                     raise
-                outcomes = behind.finish(got)
+                outcomes = checks.finish(got)
         except StorageError:
             result.errors += 1
             return 0

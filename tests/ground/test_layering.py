@@ -83,11 +83,12 @@ def _map() -> dict[str, str]:
     for line in block.splitlines():
         indent, head = len(line) - len(line.lstrip()), (line.split() or [""])[0]
         if head.endswith("/"):
+            name = head[:-1]
             if indent == 0:
-                current = "" if head == "hicache_async/" else None
+                current = "" if name == "hicache_async" else None
             else:
                 parent = opened.get(indent - 2)
-                current = None if parent is None else f"{parent}/{head[:-1]}" if parent else head[:-1]
+                current = None if parent is None else f"{parent}/{name}".lstrip("/")
             opened[indent] = current
         elif head.rstrip(",").endswith(".py") and indent <= 4 and opened.get(0) == "":
             current = ""
