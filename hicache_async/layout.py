@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import UsageError
+
+AXES = ("plane", "token", "head", "dim")
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,12 @@ class KVLayout:
 
     MHA/GQA pages hold K and V planes per head; MLA pages hold one latent per token
     (one plane, one "head" of width `head_dim`) that every TP rank replicates.
+
+    `axes` orders one layer of one page: ours is (plane, token, head, dim). An engine that
+    owns its KV gives its own order (vLLM's CPU blocks are (head, token, dim), K and V packed
+    in `dim`), so our host pages are its blocks byte for byte; only the head axis must be
+    named, for keys that split heads. `engine_layout` names whatever else decides the bytes
+    (the engine, its version family, its kernels' layout): both go into the namespace.
     """
 
     num_layers: int          # layers this rank holds
@@ -28,6 +37,8 @@ class KVLayout:
     total_layers: int = 0    # layers of the whole model (0: same as num_layers)
     total_kv_heads: int = 0  # kv heads of the whole model (0: same as kv_heads)
     model_id: str = "tiny-ref"
+    axes: tuple[str, ...] = AXES
+    engine_layout: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
@@ -35,6 +46,11 @@ class KVLayout:
                 raise UsageError(f"{name} must be positive, got {getattr(self, name)}")
         if self.attention not in ("mha", "mla"):
             raise UsageError(f"unknown attention {self.attention!r}: expected mha or mla")
+        axes = tuple(self.axes)
+        if len(set(axes)) != len(axes) or not set(axes) <= set(AXES) or "token" not in axes:
+            raise UsageError(f"page axes {','.join(axes)} must name token and, at most once each, "
+                             f"plane, head and dim")
+        object.__setattr__(self, "axes", axes)
         if not self.total_layers:
             object.__setattr__(self, "total_layers", self.num_layers)
         if not self.total_kv_heads:
@@ -46,14 +62,20 @@ class KVLayout:
         return 1 if self.attention == "mla" else 2
 
     @property
-    def layer_page_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one layer of one page: (planes, page_size, kv_heads, head_dim)."""
-        return (self.planes, self.page_size, self.kv_heads, self.head_dim)
+    def layer_page_shape(self) -> tuple[int, ...]:
+        """Shape of one layer of one page, in `axes` order: by default (planes, page_size,
+        kv_heads, head_dim)."""
+        size = {"plane": self.planes, "token": self.page_size, "head": self.kv_heads, "dim": self.head_dim}
+        return tuple(size[axis] for axis in self.axes)
+
+    @property
+    def head_axis(self) -> int | None:
+        """Where the kv heads sit in `layer_page_shape`; None when heads are not an axis."""
+        return self.axes.index("head") if "head" in self.axes else None
 
     @property
     def layer_page_bytes(self) -> int:
-        p, s, h, d = self.layer_page_shape
-        return p * s * h * d * self.dtype.itemsize
+        return math.prod(self.layer_page_shape) * self.dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
@@ -77,6 +99,7 @@ class KVLayout:
         ident = "|".join(str(x) for x in (
             self.model_id, str(self.dtype).removeprefix("torch."), self.page_size,
             self.attention, self.total_layers, self.total_kv_heads, self.head_dim,
-            "layout=planes,tokens,heads,dim",
+            "layout=planes,tokens,heads,dim" if self.axes == AXES else "layout=" + ",".join(self.axes),
+            *((self.engine_layout,) if self.engine_layout else ()),
         ))
         return hashlib.sha256(ident.encode()).hexdigest()[:16]

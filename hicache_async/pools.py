@@ -68,12 +68,19 @@ class HostPool:
 
     tier = "host"
 
-    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, tensor: torch.Tensor | None = None) -> None:
+        """A pool of `num_pages` of its own, or over an engine's host buffer: `tensor`, a view
+        shaped (pages, layers, *layout.layer_page_shape), strided where the engine's pages are
+        not one run of bytes (then storage reads through staging instead of in place)."""
         self.layout = layout
         self.alloc = PageAllocator(num_pages, self.tier)
-        pin = torch.cuda.is_available()
-        self.tensor = torch.zeros((num_pages, layout.num_layers, *layout.layer_page_shape),
-                                  dtype=layout.dtype, pin_memory=pin)
+        shape = (num_pages, layout.num_layers, *layout.layer_page_shape)
+        if tensor is None:
+            tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=torch.cuda.is_available())
+        elif tuple(tensor.shape) != shape or tensor.dtype != layout.dtype:
+            raise UsageError(f"host buffer is {tuple(tensor.shape)} {tensor.dtype}, the layout needs {shape} "
+                             f"{layout.dtype}")
+        self.tensor = tensor
 
     def page_bytes(self, page: int) -> memoryview:
         """The page's bytes, without a copy."""

@@ -7,7 +7,6 @@ which reaps, offers, agrees, retires and dispatches, in that order.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import anyio
@@ -17,15 +16,13 @@ from ..api import EngineContext, KVPlugin
 from ..config import CacheConfig
 from ..errors import UsageError
 from ..events import first_completion
-from ..keys import make_key_scheme
 from ..kinds import TransferKind
 from ..parallel.agreement import Agreement, LocalAgreement
 from ..pools import HostPool
 from ..request import Request
-from ..storage.guarded import GuardedStorage
-from ..storage.traced import TracedStorage
 from ..telemetry import spans
-from ..transfer.page_store import PageStore, StoreCounters
+from ..transfer.l3_session import guarded_store
+from ..transfer.page_store import StoreCounters
 from .admission import Admissions
 from .cache import TieredCache
 from .ledger import Ledger, StepMessage
@@ -63,13 +60,7 @@ class HiCachePlugin(KVPlugin):
         self.ledger = Ledger(self.tracer, engine.clock, cfg.sync_timeout_s)
         self.cache = TieredCache(cfg, engine.device, HostPool(engine.layout, cfg.host_pages), self.ledger)
         if self.storage is not None:
-            # Every CP rank holds the full KV of its pages; when only CP rank 0 transfers, the
-            # others read the objects it wrote.
-            key_coords = dataclasses.replace(coords, cp_rank=0) if cfg.cp_transfer == "rank0" else coords
-            keys = make_key_scheme(cfg.key_scheme, engine.layout, key_coords)
-            guarded = GuardedStorage(self.storage, cfg)   # a dead or hung backend fails fast
-            traced = TracedStorage(guarded, coords, self.storage_name)
-            store = PageStore(traced, engine.layout, keys, coords, cp_mode=cfg.cp_transfer)
+            store = guarded_store(self.storage, self.storage_name, engine.layout, coords, cfg)
             self.l3 = StorageTier(self.cache, store, cfg, self._tasks)
         self.prefetch_cost = PrefetchCost(engine.layout, coords, prefill_us_per_token=cfg.prefill_us_per_token,
                                           l3_gbps=cfg.l3_gbps, l3_latency_us=cfg.l3_latency_us,

@@ -120,8 +120,9 @@ class PageStore:
         ptr = host.tensor.data_ptr()
         with self._hosts_lock:
             if ptr not in self._hosts:
-                self._hosts[ptr] = (host.tensor, tensor_bytes(host.tensor).cast("B"))
-            if pin and ptr not in self._pinned:
+                whole = host.tensor if host.tensor.is_contiguous() else host.tensor.new_empty(0)
+                self._hosts[ptr] = (host.tensor, tensor_bytes(whole).cast("B"))
+            if pin and ptr not in self._pinned and self._hosts[ptr][1].nbytes:
                 try:
                     self.adapter.register_memory(self._hosts[ptr][1])
                     self._pinned.add(ptr)
@@ -134,15 +135,19 @@ class PageStore:
         """Each object's bytes in the host pool when it is a whole page (every layer and head
         this rank holds), else None: a slice of one view, far cheaper than a tensor view per
         object. A key scheme gives every page objects of the same layers and heads, so which
-        objects are whole pages is decided once."""
-        layers, heads, size = host.tensor.shape[1], host.tensor.shape[4], host.layout.page_bytes
-        whole = [len(spec.layers) == layers and len(spec.heads) == heads for spec in specs[0]] if specs else []
+        objects are whole pages is decided once; none are, in a pool over a strided buffer."""
+        layers, heads, size = host.layout.num_layers, host.layout.kv_heads, host.layout.page_bytes
+        whole = [len(spec.layers) == layers and len(spec.heads) == heads and bool(pool.nbytes)
+                 for spec in specs[0]] if specs else []
         return [[pool[page * size:(page + 1) * size] if w else None for w in whole] for page in pages]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
         l0, h0 = spec.layers.start - self.layout.first_layer, spec.heads.start - self.layout.first_head
-        return host.tensor[page, l0:l0 + len(spec.layers), :, :, h0:h0 + len(spec.heads), :]
+        at = [slice(None)] * len(self.layout.axes)
+        if self.layout.head_axis is not None:
+            at[self.layout.head_axis] = slice(h0, h0 + len(spec.heads))
+        return host.tensor[(page, slice(l0, l0 + len(spec.layers)), *at)]
 
     def _dest(self, host: HostPool, page: int, spec: ObjectSpec) -> memoryview | torch.Tensor:
         """Where a payload that is not a whole page goes: its bytes when they are one run,

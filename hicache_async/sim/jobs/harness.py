@@ -22,10 +22,10 @@ from ...errors import StorageError, UsageError
 from ...parallel.agreement import LocalAgreement
 from ...parallel.pp_sync import PipelineAgreement
 from ...request import Request
-from ...storage.base import DEFAULT_STORAGE, open_storage, storage_backend
-from ...storage.sealed import SealedStorage, load_key
+from ...storage.base import DEFAULT_STORAGE, storage_backend
 from ...telemetry.sdk import setup_telemetry
 from ...telemetry.trace_file import merge_trace_files, part_path
+from ...transfer.l3_session import open_adapter
 from ..ranks import torchrun
 from ..ranks.launcher import launch
 
@@ -161,10 +161,9 @@ async def hicache_plugin(ctx, cache_cfg: CacheConfig) -> AsyncIterator[KVPlugin]
     """The HiCache plugin over the payload's storage and this rank's agreement, entered; on
     exit the plugin is exited, then the storage it used closed."""
     storage_spec = ctx.payload.get("storage")
-    storage = open_storage(storage_spec["name"], **storage_spec["options"]) if storage_spec else None
+    storage = (open_adapter(storage_spec["name"], storage_spec["options"], storage_spec.get("secret_file"))
+               if storage_spec else None)
     try:
-        if storage_spec and storage_spec.get("secret_file"):
-            storage = SealedStorage(storage, load_key(storage_spec["secret_file"]))
         agreement = (LocalAgreement() if ctx.coords.world_size == 1
                      else PipelineAgreement(ctx.coords, ctx.groups, cache_cfg.sync_timeout_s))
         plugin = load_plugin("hicache", config=cache_cfg, storage=storage, agreement=agreement,
