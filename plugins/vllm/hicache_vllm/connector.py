@@ -1,0 +1,130 @@
+"""`HiCacheConnector`: hicache-async as a vLLM KV connector (vLLM's v1 connector API).
+
+vLLM owns the device KV and decides in one scheduler, so the split is vLLM's own: the
+scheduler instance keeps the index of the host tier and decides (`scheduler.py`); each worker
+instance holds its rank's host pool and moves its bytes (`worker.py`). Everything under them
+is the product's core: host pool, page store with verified objects, storage adapters, sealing,
+guarded calls and spans.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache_async.errors import UsageError
+from hicache_async.storage.sealed import load_key
+from hicache_async.topology import RankCoords
+
+from . import settings as config
+from .kv_layout import ordered_layers, version_family, worker_layout
+from .scheduler import SchedulerSide
+from .stats import Deltas, HiCacheStats
+from .worker import WorkerSide
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = config.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if self.settings.storage_secret_file:
+            load_key(self.settings.storage_secret_file)     # a bad secret file stops start-up here
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+            raise UsageError("HiCacheConnector: decode context parallel is not supported yet")
+        self.page_size = vllm_config.cache_config.block_size
+        self._deltas = Deltas()
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+            self.scheduler = SchedulerSide(self.settings, self.page_size, workers)
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        cfg = self._vllm_config
+        names = ordered_layers(kv_caches)
+        tp, pp = get_tp_group(), get_pp_group()
+        coords = RankCoords(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
+                            pp_rank=pp.rank_in_group, pp_size=pp.world_size)
+        model = cfg.model_config
+        layout = worker_layout(
+            kv_caches, num_blocks=self._kv_cache_config.num_blocks, block_size=self.page_size, coords=coords,
+            total_layers=model.get_total_num_hidden_layers(), total_kv_heads=model.get_total_num_kv_heads(),
+            mla=model.use_mla, model_id=self.settings.model_id or model.model,
+            engine=f"{version_family(vllm.__version__)}|{_backend(cfg, names[0])}"
+                   f"|cache_dtype={cfg.cache_config.cache_dtype}|layout={self._kv_cache_config.kv_cache_layout}")
+        self._layer_of = {name: i for i, name in enumerate(names)}
+        self.worker = WorkerSide(self.settings, layout, coords, [kv_caches[n] for n in names])
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self.worker.start(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is not None:
+            self.worker.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        """Saves run once per step, after the forward pass (`wait_for_save`): a block's bytes
+        are final only when every token of its page has been written."""
+
+    def wait_for_save(self) -> None:
+        self.worker.finish(self._get_connector_metadata())
+
+    def build_connector_worker_meta(self):
+        return self.worker.reports() if self.worker is not None else None
+
+    def get_kv_connector_stats(self):
+        side = self.worker.totals() if self.worker is not None else dict(self.scheduler.counts)
+        return self._deltas.take(side)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None):
+        return HiCacheStats(data or {})
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.allocated(request, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        if not num_external_tokens:
+            return {}
+        from_l3 = self.scheduler.requests[request.request_id].from_l3 if request.request_id in \
+            self.scheduler.requests else 0
+        split = {CacheHitSource.HOST: num_external_tokens - from_l3, CacheHitSource.DISK: from_l3}
+        return {k: v for k, v in split.items() if v}
+
+    def build_connector_meta(self, scheduler_output):
+        block_ids = self._kv_cache_manager.get_block_ids
+        return self.scheduler.build(scheduler_output.num_scheduled_tokens, lambda rid: block_ids(rid)[0])
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.reported(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, self.scheduler.finished(request) or None
+
+    def take_events(self):
+        return self.scheduler.events.take()
+
+
+def _backend(vllm_config, layer_name: str) -> str:
+    """The attention backend's name: its kernels decide the bytes of a block."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None) or getattr(layer, "get_attn_backend", lambda: None)()
+    return backend.get_name() if backend is not None else "unknown"

@@ -1,0 +1,69 @@
+"""What the scheduler tells every worker each step, and what the workers answer.
+
+The scheduler decides; every worker (each TP rank, each PP stage) gets the same plan and moves
+its own share of the bytes, so their host tiers hold the same pages in the same slots. Work
+a worker finishes later (an L3 prefetch, a backup) comes back as a report per job; vLLM sums
+the workers' reports, and a job is done once every worker has reported it, with the fewest
+pages any of them verified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class Move:
+    """Pages between vLLM blocks and host slots (a load, or a save), in page order."""
+
+    req_id: str
+    slots: list[int]
+    blocks: list[int]
+
+
+@dataclass
+class Job:
+    """Work with L3: a backup stores host `slots` under `hashes`; a prefetch reads `hashes`
+    into landing pages of the worker's own, verified, until the first that fails."""
+
+    job: int
+    hashes: list[str]
+    tenant: bytes
+    slots: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Commit:
+    """A finished prefetch's pages (by place in the job) into host slots; it frees the job's
+    landing pages, so every finished prefetch gets one, if empty."""
+
+    job: int
+    pages: list[int]
+    slots: list[int]
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """In the order a worker carries it out."""
+
+    evictions: list[Job] = field(default_factory=list)    # host -> L3 before the slots are reused
+    commits: list[Commit] = field(default_factory=list)   # landing -> host
+    loads: list[Move] = field(default_factory=list)       # host -> blocks, before the forward pass
+    saves: list[Move] = field(default_factory=list)       # blocks -> host, after it
+    backups: list[Job] = field(default_factory=list)      # host -> L3, in the background
+    prefetches: list[Job] = field(default_factory=list)   # L3 -> landing, in the background
+
+
+@dataclass
+class JobReports(KVConnectorWorkerMetadata):
+    """Per finished job: (workers that reported it, fewest pages verified or stored)."""
+
+    done: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
+        merged = dict(self.done)
+        for job, (reports, pages) in other.done.items():
+            seen, least = merged.get(job, (0, pages))
+            merged[job] = (seen + reports, min(least, pages))
+        return JobReports(merged)

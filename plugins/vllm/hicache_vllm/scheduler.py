@@ -1,0 +1,204 @@
+"""The scheduler side: decides, per request and per step, what the workers move.
+
+A prompt's pages are named by our chained page hash over its token ids and `cache_salt`, so a
+new process, or another engine over the same L3, names them alike. A request whose prefix
+runs on past vLLM's own cache and our host tier waits one step while the workers read the
+rest from L3 into host slots, each object verified; the hit vLLM then loads is only what every
+worker verified, so a missing, corrupt, forged or stale object shortens the hit and never
+becomes KV. Host-tier hits load synchronously, layer by layer, beside the forward pass.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hicache_async.keys import page_hashes, tenant_digest
+
+from .host_index import HostIndex
+from .plan import Commit, Job, JobReports, Move, StepPlan
+from .settings import Settings
+from .tier_events import TierEvents
+
+
+@dataclass
+class RequestPages:
+    """One request's pages as the scheduler tracks them."""
+
+    request: object                      # vLLM's Request, live
+    hashes: list[str] = field(default_factory=list)
+    looked_in_l3: bool = False
+    job: int | None = None               # the prefetch it waits for
+    load: tuple[int, list[int]] | None = None   # (first page, slots) to load this step
+    saved: int = 0                       # leading pages already in the host tier or planned
+    from_host: int = 0                   # tokens it took from the host tier...
+    from_l3: int = 0                     # ...and of those, from L3 through it
+
+    def extend(self, page_size: int) -> None:
+        """Hashes for every full page of the request's tokens so far."""
+        tokens = self.request.all_token_ids
+        have = len(self.hashes)
+        if (len(tokens) // page_size) > have:
+            prior = self.hashes[-1] if self.hashes else None
+            salt = None if prior else self.request.cache_salt
+            self.hashes += page_hashes(tokens[have * page_size:], page_size, prior, salt=salt)
+
+
+class SchedulerSide:
+    def __init__(self, settings: Settings, page_size: int, workers: int) -> None:
+        self.settings, self.page_size, self.workers = settings, page_size, workers
+        self.index = HostIndex(settings.host_pages)
+        self.l3 = settings.storage != "none"
+        self.requests: dict[str, RequestPages] = {}
+        self.jobs: dict[int, tuple[Job, str, list[str]]] = {}   # unfinished: kind, requests waiting
+        self.reports: dict[int, tuple[int, int]] = {}
+        self.stored_l3: set[str] = set()                # pages known to be in L3
+        self.uses: dict[str, int] = {}                  # host hits per page (selective write-through)
+        self.plan = StepPlan()
+        self.events = TierEvents(page_size)
+        self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
+        self._ids = itertools.count()
+
+    # -- vLLM's questions ----------------------------------------------------------------
+
+    def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            st = self.requests[request.request_id] = RequestPages(request)
+        st.extend(self.page_size)
+        if st.job is not None:
+            return None, False              # its L3 read is still under way
+        stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size)
+        start = num_computed_tokens // self.page_size
+        run = self.index.run(st.hashes, start, stop) if start < stop else 0
+        missing = stop - start - run
+        if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
+            st.looked_in_l3 = True
+            self._prefetch(st, st.hashes[start + run:stop])
+            return None, False
+        st.looked_in_l3 = True
+        st.load = (start, self.index.slots(st.hashes[start:start + run])) if run else None
+        return run * self.page_size, False
+
+    def allocated(self, request, num_external_tokens: int) -> None:
+        st = self.requests.get(request.request_id)
+        if st is None or not num_external_tokens or st.load is None:
+            return
+        first, slots = st.load
+        slots = slots[:num_external_tokens // self.page_size]
+        st.load = (first, slots)
+        self.index.pin(slots)
+        pages = st.hashes[first:first + len(slots)]
+        from_l3 = sum(1 for h in pages if h in self.index.from_l3)
+        st.from_host += len(slots) * self.page_size
+        st.from_l3 += from_l3 * self.page_size
+        self.counts["host_hit_tokens"] += len(slots) * self.page_size
+        self.counts["l3_hit_tokens"] += from_l3 * self.page_size
+        self.index.from_l3.difference_update(pages)    # used once: a later use is a host hit
+        if self.settings.write_policy == "write_through_selective":
+            self._use_again(st, pages, slots)
+
+    def build(self, scheduled: dict[str, int], block_ids) -> StepPlan:
+        """This step's plan: what was decided since the last one (commits, prefetches), the
+        loads decided at allocation, and the saves of every page this step completes."""
+        plan, self.plan = self.plan, StepPlan()
+        for req_id, st in self.requests.items():
+            if st.load is not None and req_id in scheduled:
+                first, slots = st.load
+                plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)]))
+                self.index.pin(slots, -1)   # workers load before this plan's saves reuse a slot
+            st.load = None
+        for req_id, n in scheduled.items():
+            st = self.requests.get(req_id)
+            if st is not None:
+                self._save(plan, st, st.request.num_computed_tokens + n, block_ids)
+        return plan
+
+    def finished(self, request) -> dict:
+        """What the request's `kv_transfer_params` say of where its prefix came from."""
+        st = self.requests.pop(request.request_id, None)
+        if st is None:
+            return {}
+        return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3}}
+
+    def reported(self, reports: JobReports | None) -> None:
+        """Fold the workers' job reports in; a job every worker reported is done."""
+        for job, (n, pages) in (reports.done if reports else {}).items():
+            seen, least = self.reports.get(job, (0, pages))
+            self.reports[job] = (seen + n, min(least, pages))
+            if self.reports[job][0] >= self.workers:
+                self._done(job, self.reports.pop(job)[1])
+
+    # -- plans -----------------------------------------------------------------------------
+
+    def _job(self, plan_list: list[Job], kind: str, hashes: list[str], tenant: bytes, slots: list[int] = (),
+             waiting: list[str] = ()) -> Job:
+        job = Job(next(self._ids), hashes, tenant, list(slots))
+        self.jobs[job.job] = (job, kind, list(waiting))
+        plan_list.append(job)
+        return job
+
+    def _prefetch(self, st: RequestPages, hashes: list[str]) -> None:
+        st.job = self._job(self.plan.prefetches, "prefetch", hashes, tenant_digest(st.request.cache_salt),
+                           waiting=[st.request.request_id]).job
+        self.counts["l3_looked_pages"] += len(hashes)
+
+    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]]) -> None:
+        """Back up (hash, slot, tenant) pages that L3 is not known to hold, one job a tenant."""
+        todo = [p for p in pages if p[0] not in self.stored_l3]
+        for tenant in dict.fromkeys(t for _, _, t in todo):
+            mine = [(h, s) for h, s, t in todo if t == tenant]
+            self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine])
+
+    def _take(self, plan: StepPlan, n: int) -> list[int]:
+        """`n` host slots at most; under write_back, the pages that leave go to L3 first."""
+        slots, evicted = self.index.take(n)
+        self.events.removed([h for h, _, _ in evicted], "CPU")
+        if self.l3 and evicted and self.settings.write_policy == "write_back":
+            self._backup(plan.evictions, evicted)
+        return slots
+
+    def _save(self, plan: StepPlan, st: RequestPages, computed: int, block_ids) -> None:
+        """Host slots for the request's pages that this step completes, not yet in the tier."""
+        st.extend(self.page_size)
+        full = min(computed // self.page_size, len(st.hashes))
+        todo = [p for p in range(st.saved, full) if st.hashes[p] not in self.index.slot_of]
+        st.saved = max(st.saved, full)
+        if not todo:
+            return
+        slots = self._take(plan, len(todo))
+        todo = todo[:len(slots)]
+        blocks = block_ids(st.request.request_id)
+        plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo]))
+        tenant = tenant_digest(st.request.cache_salt)
+        pages = [(st.hashes[p], s, tenant) for p, s in zip(todo, slots)]
+        for h, s, t in pages:
+            self.index.put(h, s, t)
+        self.events.stored(st.request, todo, st.hashes, "CPU")
+        if self.l3 and self.settings.write_policy == "write_through":
+            self._backup(plan.backups, pages)
+
+    def _use_again(self, st: RequestPages, pages: list[str], slots: list[int]) -> None:
+        """write_through_selective: a page goes to L3 on its second use."""
+        tenant = tenant_digest(st.request.cache_salt)
+        again = [(h, s, tenant) for h, s in zip(pages, slots) if self.uses.get(h, 0) >= 1]
+        for h in pages:
+            self.uses[h] = self.uses.get(h, 0) + 1
+        if self.l3 and again:
+            self._backup(self.plan.backups, again)
+
+    def _done(self, job_id: int, pages: int) -> None:
+        job, kind, waiting = self.jobs.pop(job_id)
+        self.stored_l3.update(job.hashes[:pages])
+        if kind == "backup":
+            self.events.stored_hashes(job.hashes[:pages], "STORAGE")
+            return
+        fresh = [i for i in range(pages) if job.hashes[i] not in self.index.slot_of]
+        slots = self._take(self.plan, len(fresh))
+        for i, s in zip(fresh, slots):
+            self.index.put(job.hashes[i], s, job.tenant, from_l3=True)
+        self.plan.commits.append(Commit(job_id, fresh[:len(slots)], slots))
+        self.counts["l3_prefetched_pages"] += len(slots)
+        for req_id in waiting:
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.job = None

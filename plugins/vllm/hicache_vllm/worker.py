@@ -1,0 +1,193 @@
+"""The worker side: carries out each step's plan on this rank's share of the KV.
+
+Copies between vLLM's blocks and the host pool run on the step's own thread (a CUDA copy
+stream on a GPU), loads layer by layer as the forward pass asks for them. L3 work runs in the
+background on an anyio event loop of the worker's own (a blocking portal), its storage calls
+on worker threads under one capacity limiter per kind; each finished job is reported once.
+A prefetch reads into landing pages of its own, never into host slots: an L3 call given up
+on may still write into its pages, and those stay out of use until it returns, so late bytes
+never reach a page vLLM reads. A slot a backup still reads is not written until it is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+import anyio
+import anyio.from_thread
+import structlog
+
+from hicache_async.errors import StorageError
+from hicache_async.layout import KVLayout
+from hicache_async.pools import HostPool
+from hicache_async.topology import RankCoords
+from hicache_async.transfer.l3_session import l3_session
+
+from .layer_copies import LayerCopies
+from .plan import Commit, Job, JobReports, StepPlan
+from .settings import Settings
+
+log = structlog.get_logger(__name__)
+FENCE_S = 60.0      # longest a copy waits for a backup reading its slot (each call has its own deadline)
+
+
+class WorkerSide:
+    def __init__(self, settings: Settings, layout: KVLayout, coords: RankCoords, kv: list) -> None:
+        self.settings, self.layout = settings, layout
+        self.host = HostPool(layout, settings.host_pages)
+        self.landing = HostPool(layout, settings.host_pages)
+        self.copies = LayerCopies(kv, self.host)
+        self._stack = contextlib.ExitStack()
+        self.store = None
+        if settings.storage != "none":
+            self.store = self._stack.enter_context(l3_session(
+                settings.storage, settings.storage_options(), layout, coords, settings.cache_config(),
+                secret_file=settings.storage_secret_file, head_group=settings.head_group))
+        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
+        self._limiters = {kind: self._portal.call(anyio.CapacityLimiter, 2) for kind in ("backup", "prefetch")}
+        self._lock = threading.Lock()
+        self._reading: dict[int, Future] = {}          # host slot -> the backup reading it
+        self._landed: dict[int, list[int]] = {}        # finished prefetch -> its landing pages
+        self._finished: dict[int, int] = {}            # job -> pages, not yet reported
+        self._running: set[Future] = set()
+        self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
+
+    # -- the step ------------------------------------------------------------------------
+
+    def start(self, plan: StepPlan) -> None:
+        """Before the forward pass: evictions leave for L3, finished prefetches land in their
+        slots, and this step's loads start."""
+        for job in plan.evictions:
+            self._background("backup", job)
+        for commit in plan.commits:
+            self._commit(commit)
+        for move in plan.loads:
+            self._fence(move.slots)
+        self.copies.load(plan.loads)
+        self._count(host_loaded_pages=sum(len(m.slots) for m in plan.loads))
+
+    def wait_layer(self, layer: int) -> None:
+        self.copies.wait_layer(layer)
+
+    def finish(self, plan: StepPlan) -> None:
+        """After the forward pass: saves, then the L3 work they start."""
+        self.copies.wait_all()
+        for move in plan.saves:
+            self._fence(move.slots)
+        self.copies.save(plan.saves)
+        self._count(host_saved_pages=sum(len(m.slots) for m in plan.saves))
+        for job in plan.backups:
+            self._background("backup", job)
+        for job in plan.prefetches:
+            self._background("prefetch", job)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                self.counts[name] += n
+
+    def totals(self) -> dict[str, int]:
+        """This worker's counts and its store's (corrupt, forged, missing objects, errors)."""
+        with self._lock:
+            totals = dict(self.counts)
+        if self.store is not None:
+            c = self.store.counters
+            totals.update(l3_corrupt_objects=c.corrupt_objects, l3_forged_objects=c.forged_objects,
+                          l3_missing_objects=c.missing_objects, l3_errors=c.storage_errors,
+                          l3_bytes_written=c.bytes_written, l3_bytes_read=c.bytes_read)
+        return totals
+
+    def reports(self) -> JobReports | None:
+        with self._lock:
+            done, self._finished = self._finished, {}
+        return JobReports({job: (1, pages) for job, pages in done.items()}) if done else None
+
+    # -- L3 --------------------------------------------------------------------------------
+
+    def _background(self, kind: str, job: Job) -> None:
+        if self.store is None:      # nothing to do, but the scheduler waits for every job
+            with self._lock:
+                self._finished[job.job] = 0
+            return
+        run = self._backup if kind == "backup" else self._prefetch
+        future = self._portal.start_task_soon(self._in_thread, kind, run, job)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        if kind == "backup":
+            with self._lock:
+                for slot in job.slots:
+                    self._reading[slot] = future
+
+    async def _in_thread(self, kind: str, run, job: Job) -> None:
+        try:
+            pages = await anyio.to_thread.run_sync(run, job, limiter=self._limiters[kind])
+        except Exception as exc:    # noqa: BLE001 - a failed job is a miss, never a crash
+            log.warning("hicache L3 job failed; its pages are a miss", kind=kind, job=job.job, error=str(exc))
+            pages = 0
+        with self._lock:
+            self._finished[job.job] = pages
+
+    def _backup(self, job: Job) -> int:
+        result = self.store.backup(job.hashes, self.host, job.slots, tenant=job.tenant)
+        stored = next((i for i, ok in enumerate(result.ok) if not ok), len(result.ok))
+        self._count(l3_stored_pages=stored)
+        return stored
+
+    def _prefetch(self, job: Job) -> int:
+        with self._lock:
+            pages = self.landing.alloc.alloc(min(len(job.hashes), self.landing.alloc.free))
+        result = self.store.prefetch(job.hashes[:len(pages)], self.landing, pages, tenant=job.tenant)
+        with self._lock:
+            self._landed[job.job] = pages
+        if result.late:     # pages past the verified run stay out of use until each late call returns
+            held, pages[result.pages:] = pages[result.pages:], []
+            remaining = [len(result.late)]
+
+            def returned() -> None:
+                with self._lock:
+                    remaining[0] -= 1
+                    if not remaining[0]:
+                        self.landing.alloc.release(held)
+            for call in result.late:
+                call.when_returned(returned)
+        self._count(l3_read_pages=result.pages)
+        return result.pages
+
+    def _commit(self, commit: Commit) -> None:
+        with self._lock:
+            pages = self._landed.pop(commit.job, [])
+        self._fence(commit.slots)
+        for i, slot in zip(commit.pages, commit.slots):
+            self.host.tensor[slot].copy_(self.landing.tensor[pages[i]])
+        with self._lock:
+            self.landing.alloc.release(pages)
+
+    def _fence(self, slots: list[int]) -> None:
+        """Wait for backups still reading any of `slots`, before they are written."""
+        with self._lock:
+            pending = {self._reading.pop(s) for s in slots if s in self._reading}
+        for future in pending:
+            try:
+                future.result(timeout=FENCE_S)
+            except FutureTimeout:
+                raise StorageError(f"a backup has read host slots for over {FENCE_S:.0f} s") from None
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush: wait, bounded, for the L3 work already issued, so a request's KV is in L3
+        when the engine exits; then close the store."""
+        deadline = time.monotonic() + self.settings.flush_timeout
+        for future in list(self._running):
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                log.warning("hicache shutdown: L3 work still running after the flush timeout",
+                            seconds=self.settings.flush_timeout)
+                break
+            except Exception:   # noqa: BLE001 - already logged by the job
+                pass
+        self._stack.close()
+
