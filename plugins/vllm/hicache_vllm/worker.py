@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import anyio
 import anyio.from_thread
