@@ -12,6 +12,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     from . import admission
     from . import core_figures as core
     from . import sync_figures as sync
+    from .sglang_figures import sglang_figures
     from .storage_figures import storage_figures
 
     n = 1 if quick else 4
@@ -21,6 +22,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
         "admission_scale": lambda: [admission.admission_scale(admissions=200 * n, rounds=3 if quick else 5)],
         "storage": lambda: storage_figures(quick=quick),
+        "sglang": lambda: sglang_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }

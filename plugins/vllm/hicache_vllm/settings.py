@@ -20,6 +20,7 @@ class Settings:
     storage_path: str | None = None           # file storage directory (default: a per-user cache)
     mooncake_master: str | None = None        # HOST:PORT of a running master (default: a private one)
     storage_secret_file: str | None = None    # seal every object with the key derived from this file
+    storage_optional: bool = True             # an unreachable L3 at start: warn, serve from the host tier
     host_pages: int = DEFAULT_HOST_PAGES      # host-tier size, in vLLM blocks
     key_scheme: str = "rank-suffix"
     head_group: int = 1                       # kv heads an object holds (unified keys)
@@ -43,7 +44,7 @@ class Settings:
 
 _TYPES = {"storage_path": str, "mooncake_master": str, "storage_secret_file": str, "model_id": str,
           "host_pages": int, "head_group": int, "prefetch_min_pages": int,
-          "storage_timeout": float, "flush_timeout": float}
+          "storage_timeout": float, "flush_timeout": float, "storage_optional": bool}
 _BACKEND_KEYS = {"file": {"storage_path"}, "mooncake": {"mooncake_master", "mooncake_metadata"}}
 
 
@@ -69,6 +70,8 @@ def parse(extra: dict | None) -> Settings:
 
 def _typed(key: str, value):
     want = _TYPES.get(key, str)
+    if want is bool and not isinstance(value, bool):
+        raise UsageError(f"kv_connector_extra_config: {key} must be true or false, got {value!r}")
     if want is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise UsageError(f"kv_connector_extra_config: {key} must be a positive integer, got {value!r}")
     if want is float and (isinstance(value, bool) or not isinstance(value, (int, float))

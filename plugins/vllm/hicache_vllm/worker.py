@@ -10,6 +10,7 @@ never reach a page vLLM reads. A slot a backup still reads is not written until 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -41,11 +42,7 @@ class WorkerSide:
         self.landing = HostPool(layout, settings.host_pages)
         self.copies = LayerCopies(kv, self.host)
         self._stack = contextlib.ExitStack()
-        self.store = None
-        if settings.storage != "none":
-            self.store = self._stack.enter_context(l3_session(
-                settings.storage, settings.storage_options(), layout, coords, settings.cache_config(),
-                secret_file=settings.storage_secret_file, head_group=settings.head_group))
+        self.store = self._open_store(coords) if settings.storage != "none" else None
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         self._limiters = {kind: self._portal.call(anyio.CapacityLimiter, 2) for kind in ("backup", "prefetch")}
         self._lock = threading.Lock()
@@ -54,6 +51,19 @@ class WorkerSide:
         self._finished: dict[int, int] = {}            # job -> pages, not yet reported
         self._running: set[Future] = set()
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
+        atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
+
+    def _open_store(self, coords: RankCoords):
+        s = self.settings
+        try:
+            return self._stack.enter_context(l3_session(
+                s.storage, s.storage_options(), self.layout, coords, s.cache_config(),
+                secret_file=s.storage_secret_file, head_group=s.head_group))
+        except StorageError as exc:
+            if not s.storage_optional:
+                raise
+            log.warning("hicache: L3 unreachable at start; serving from the host tier alone", error=str(exc))
+            return None
 
     # -- the step ------------------------------------------------------------------------
 
@@ -179,7 +189,8 @@ class WorkerSide:
 
     def close(self) -> None:
         """Flush: wait, bounded, for the L3 work already issued, so a request's KV is in L3
-        when the engine exits; then close the store."""
+        when the engine exits; then close the store. Once: later calls do nothing."""
+        atexit.unregister(self.close)
         deadline = time.monotonic() + self.settings.flush_timeout
         for future in list(self._running):
             try:

@@ -25,16 +25,18 @@ def prompts() -> dict[str, list[int]]:
     rng = random.Random(1)
     p = [rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)]
     q = p[:SHARED_PAGES * BLOCK] + [rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS - SHARED_PAGES * BLOCK)]
-    return {"p": p, "q": q}
+    r = [rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)]
+    return {"p": p, "q": q, "r": r}
 
 
 @pytest.fixture(scope="session")
 def cold(llama, prompts) -> dict[str, dict]:
     """Cache-less outputs (no connector, vLLM's prefix cache reset before each), and P served
     from vLLM's own prefix cache."""
-    p, again, q = run_engine(llama, [gen(prompts["p"]), gen(prompts["p"]), RESET, gen(prompts["q"])])
+    p, again, q, r = run_engine(llama, [gen(prompts["p"]), gen(prompts["p"]), RESET, gen(prompts["q"]), RESET,
+                                        gen(prompts["r"])])
     assert again["cached"] == 288
-    return {"p": p, "p_prefix_cache": again, "q": q}
+    return {"p": p, "p_prefix_cache": again, "q": q, "r": r}
 
 
 def page_files(store, prompt: list[int], salt: str | None = None) -> list[list]:

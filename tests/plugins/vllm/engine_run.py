@@ -3,13 +3,16 @@
 A test starts it as a subprocess with a JSON spec, so every engine is a fresh process (as a
 restart of a server is) and vLLM's process-wide state never leaks between tests. The spec:
 model, dtype, tp, block_size, the connector's extra config (None: no connector) and steps,
-each `generate` (prompt ids, optional cache_salt) or `reset` (vLLM's prefix cache).
+each `generate` (prompt ids, optional cache_salt), `reset` (vLLM's prefix cache) or `kill`
+(SIGKILL a pid: a storage server dying mid-run).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 MARK = "ENGINE-RESULTS "
 
@@ -37,12 +40,16 @@ def main() -> None:
         if step["op"] == "reset":
             llm.reset_prefix_cache()
             continue
+        if step["op"] == "kill":
+            os.kill(step["pid"], signal.SIGKILL)
+            continue
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, logprobs=3)
         prompt = TokensPrompt(prompt_token_ids=step["prompt"])
         if step.get("salt"):
             prompt["cache_salt"] = step["salt"]
+        started = time.monotonic()
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        results.append({"tokens": list(out.outputs[0].token_ids),
+        results.append({"seconds": time.monotonic() - started, "tokens": list(out.outputs[0].token_ids),
                         "logprobs": [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs],
                         "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
     print(MARK + json.dumps(results), flush=True)
