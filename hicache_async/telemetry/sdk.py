@@ -120,9 +120,11 @@ def _resource(service_name: str, coords: RankCoords | None, run_id: str | None) 
 
 def setup_telemetry(*, service_name: str = "hicache-async", coords: RankCoords | None = None,
                     run_id: str | None = None, trace_file: str | None = None, log_json: bool = False,
-                    log_level: str = "INFO") -> Telemetry:
-    """Configure logs, then install tracer and meter providers if anything will read them."""
-    configure_logging(coords=coords, run_id=run_id, json_lines=log_json, level=log_level)
+                    log_level: str = "INFO", logs: bool = True) -> Telemetry:
+    """Configure logs (unless the host process owns them: `logs=False`, as inside an engine),
+    then install tracer and meter providers if anything will read them."""
+    if logs:
+        configure_logging(coords=coords, run_id=run_id, json_lines=log_json, level=log_level)
     disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     trace_endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
     metric_endpoint = _env("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")

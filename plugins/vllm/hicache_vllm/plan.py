@@ -31,6 +31,7 @@ class Job:
     hashes: list[str]
     tenant: bytes
     slots: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)    # vLLM's, for the job's span
 
 
 @dataclass

@@ -131,8 +131,8 @@ class SchedulerSide:
     # -- plans -----------------------------------------------------------------------------
 
     def _job(self, plan_list: list[Job], kind: str, hashes: list[str], tenant: bytes, slots: list[int] = (),
-             waiting: list[str] = ()) -> Job:
-        job = Job(next(self._ids), hashes, tenant, list(slots))
+             waiting: list[str] = (), req_ids: list[str] = ()) -> Job:
+        job = Job(next(self._ids), hashes, tenant, list(slots), list(req_ids or waiting))
         self.jobs[job.job] = (job, kind, list(waiting))
         plan_list.append(job)
         return job
@@ -142,12 +142,12 @@ class SchedulerSide:
                            waiting=[st.request.request_id]).job
         self.counts["l3_looked_pages"] += len(hashes)
 
-    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]]) -> None:
+    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = ()) -> None:
         """Back up (hash, slot, tenant) pages that L3 is not known to hold, one job a tenant."""
         todo = [p for p in pages if p[0] not in self.stored_l3]
         for tenant in dict.fromkeys(t for _, _, t in todo):
             mine = [(h, s) for h, s, t in todo if t == tenant]
-            self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine])
+            self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine], req_ids=req_ids)
 
     def _take(self, plan: StepPlan, n: int) -> list[int]:
         """`n` host slots at most; under write_back, the pages that leave go to L3 first."""
@@ -175,7 +175,7 @@ class SchedulerSide:
             self.index.put(h, s, t)
         self.events.stored(st.request, todo, st.hashes, "CPU")
         if self.l3 and self.settings.write_policy == "write_through":
-            self._backup(plan.backups, pages)
+            self._backup(plan.backups, pages, [st.request.request_id])
 
     def _use_again(self, st: RequestPages, pages: list[str], slots: list[int]) -> None:
         """write_through_selective: a page goes to L3 on its second use."""
@@ -184,7 +184,7 @@ class SchedulerSide:
         for h in pages:
             self.uses[h] = self.uses.get(h, 0) + 1
         if self.l3 and again:
-            self._backup(self.plan.backups, again)
+            self._backup(self.plan.backups, again, [st.request.request_id])
 
     def _done(self, job_id: int, pages: int) -> None:
         job, kind, waiting = self.jobs.pop(job_id)

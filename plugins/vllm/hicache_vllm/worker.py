@@ -22,8 +22,11 @@ import anyio.from_thread
 import structlog
 
 from hicache_async.errors import StorageError
+from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
+from hicache_async.telemetry import spans
+from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.l3_session import l3_session
 
@@ -37,7 +40,9 @@ FENCE_S = 60.0      # longest a copy waits for a backup reading its slot (each c
 
 class WorkerSide:
     def __init__(self, settings: Settings, layout: KVLayout, coords: RankCoords, kv: list) -> None:
-        self.settings, self.layout = settings, layout
+        self.settings, self.layout, self.coords = settings, layout, coords
+        if not spans.tracing_enabled():     # OTLP as the OTEL_* variables say; vLLM keeps its logs
+            setup_telemetry(service_name="hicache-vllm", coords=coords, logs=False)
         self.host = HostPool(layout, settings.host_pages)
         self.landing = HostPool(layout, settings.host_pages)
         self.copies = LayerCopies(kv, self.host)
@@ -50,6 +55,7 @@ class WorkerSide:
         self._landed: dict[int, list[int]] = {}        # finished prefetch -> its landing pages
         self._finished: dict[int, int] = {}            # job -> pages, not yet reported
         self._running: set[Future] = set()
+        self._load_span = None
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
 
@@ -76,6 +82,7 @@ class WorkerSide:
             self._commit(commit)
         for move in plan.loads:
             self._fence(move.slots)
+        self._load_span = self._span(TransferKind.LOAD, plan.loads) if plan.loads else None
         self.copies.load(plan.loads)
         self._count(host_loaded_pages=sum(len(m.slots) for m in plan.loads))
 
@@ -85,14 +92,27 @@ class WorkerSide:
     def finish(self, plan: StepPlan) -> None:
         """After the forward pass: saves, then the L3 work they start."""
         self.copies.wait_all()
+        if self._load_span is not None:
+            spans.finish_transfer(self._load_span)
+            self._load_span = None
         for move in plan.saves:
             self._fence(move.slots)
+        span = self._span(TransferKind.WRITE, plan.saves) if plan.saves else None
         self.copies.save(plan.saves)
+        if span is not None:
+            spans.finish_transfer(span)
         self._count(host_saved_pages=sum(len(m.slots) for m in plan.saves))
         for job in plan.backups:
             self._background("backup", job)
         for job in plan.prefetches:
             self._background("prefetch", job)
+
+    def _span(self, kind: TransferKind, work: list, pages: int | None = None):
+        """A transfer's span, named by vLLM's request ids."""
+        pages = sum(len(m.slots) for m in work) if pages is None else pages
+        req_ids = sorted({r for m in work for r in getattr(m, "req_ids", [getattr(m, "req_id", None)]) if r})
+        return spans.start_transfer(kind, pages=pages, nbytes=pages * self.layout.page_bytes, coords=self.coords,
+                                    key_scheme=self.settings.key_scheme, attrs={"vllm.request_ids": req_ids})
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -132,11 +152,14 @@ class WorkerSide:
                     self._reading[slot] = future
 
     async def _in_thread(self, kind: str, run, job: Job) -> None:
+        span = self._span(TransferKind(kind), [job], len(job.hashes))
+        error = None
         try:
             pages = await anyio.to_thread.run_sync(run, job, limiter=self._limiters[kind])
         except Exception as exc:    # noqa: BLE001 - a failed job is a miss, never a crash
             log.warning("hicache L3 job failed; its pages are a miss", kind=kind, job=job.job, error=str(exc))
-            pages = 0
+            pages, error = 0, exc
+        spans.finish_transfer(span, error=error, attrs={"hicache.pages_done": pages})
         with self._lock:
             self._finished[job.job] = pages
 
