@@ -28,7 +28,8 @@ class RequestPages:
     hashes: list[str] = field(default_factory=list)
     looked_in_l3: bool = False
     job: int | None = None               # the prefetch it waits for
-    load: tuple[int, list[int]] | None = None   # (first page, slots) to load this step
+    load: tuple[int, list[int]] | None = None   # (first page, slots) to load
+    pinned: bool = False                 # vLLM allocated for the load: it must happen
     saved: int = 0                       # leading pages already in the host tier or planned
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
@@ -85,8 +86,8 @@ class SchedulerSide:
             return
         first, slots = st.load
         slots = slots[:num_external_tokens // self.page_size]
-        st.load = (first, slots)
-        self.index.pin(slots)
+        st.load, st.pinned = (first, slots), True
+        self.index.pin(slots)       # till a plan carries the load: vLLM counts these tokens computed
         pages = st.hashes[first:first + len(slots)]
         from_l3 = sum(1 for h in pages if h in self.index.from_l3)
         st.from_host += len(slots) * self.page_size
@@ -102,11 +103,11 @@ class SchedulerSide:
         loads decided at allocation, and the saves of every page this step completes."""
         plan, self.plan = self.plan, StepPlan()
         for req_id, st in self.requests.items():
-            if st.load is not None and req_id in scheduled:
+            if st.load is not None and st.pinned and req_id in scheduled:
                 first, slots = st.load
                 plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)]))
                 self.index.pin(slots, -1)   # workers load before this plan's saves reuse a slot
-            st.load = None
+                st.load, st.pinned = None, False
         for req_id, n in scheduled.items():
             st = self.requests.get(req_id)
             if st is not None:
@@ -118,6 +119,8 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return {}
+        if st.pinned:
+            self.index.pin(st.load[1], -1)
         return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3}}
 
     def reported(self, reports: JobReports | None) -> None:
@@ -166,6 +169,8 @@ class SchedulerSide:
         if not todo:
             return
         slots = self._take(plan, len(todo))
+        if not slots:
+            return      # every slot is held by a load still to come: these pages skip the tier
         todo = todo[:len(slots)]
         blocks = block_ids(st.request.request_id)
         plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo]))

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from hicache_vllm import settings
 
 from hicache_async.errors import UsageError
-from hicache_vllm import settings
 
 from .engines import gen, start_engine
 

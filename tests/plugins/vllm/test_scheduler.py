@@ -1,0 +1,121 @@
+"""The scheduler side's decisions, one class under test with a stand-in for vLLM's Request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hicache_vllm.plan import JobReports
+from hicache_vllm.scheduler import RequestPages, SchedulerSide
+from hicache_vllm.settings import Settings
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+PAGE = 4
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def side(workers: int = 1, **settings) -> SchedulerSide:
+    return SchedulerSide(Settings(**{"host_pages": 4, **settings}), PAGE, workers)
+
+
+def blocks(req_id: str) -> list[int]:
+    return list(range(100, 120))
+
+
+def computed(s: SchedulerSide, req: Req, tokens: int):
+    """vLLM schedules `tokens` of `req` this step; the plan it gets."""
+    plan = s.build({req.request_id: tokens}, blocks)
+    req.num_computed_tokens += tokens
+    return plan
+
+
+def test_write_through_saves_each_completed_page_and_backs_it_up():
+    s, req = side(), Req("a", list(range(13)))
+    assert s.matched(req, 0) == (None, False)          # it looks in L3 first
+    s.reported(JobReports({0: (1, 0)}))
+    s.build({}, blocks)
+    assert s.matched(req, 0) == (0, False)
+    plan = computed(s, req, 13)
+    (save,) = plan.saves
+    assert save.blocks == [100, 101, 102] and len(set(save.slots)) == 3
+    (backup,) = plan.backups
+    assert backup.slots == save.slots and backup.req_ids == ["a"]
+
+
+def test_write_back_stores_a_page_only_as_it_leaves_the_host_tier():
+    s = side(write_policy="write_back", storage="none")
+    s.l3 = True
+    for name in "abc":
+        req = Req(name, [ord(name)] * 8 + [0])
+        s.requests[name] = RequestPages(req, looked_in_l3=True)
+        plan = computed(s, req, 9)
+        assert not plan.backups
+    assert [len(j.hashes) for j in plan.evictions] == [2]          # a's two pages made room for c's
+    assert set(plan.evictions[0].slots) == set(plan.saves[0].slots)
+
+
+def test_a_prefetch_commits_only_what_every_worker_verified():
+    s, req = side(workers=2), Req("a", list(range(17)))
+    assert s.matched(req, 0) == (None, False)
+    (job,) = s.build({}, blocks).prefetches
+    assert len(job.hashes) == 4
+    s.reported(JobReports({job.job: (1, 4)}))
+    assert s.matched(req, 0) == (None, False)          # one worker of two has answered
+    s.reported(JobReports({job.job: (1, 3)}))
+    (commit,) = s.build({}, blocks).commits
+    assert commit.pages == [0, 1, 2]
+    assert s.matched(req, 0) == (12, False)
+    s.allocated(req, 12)
+    (load,) = computed(s, req, 5).loads
+    assert load.slots == commit.slots and load.blocks == [100, 101, 102]
+    assert s.finished(req) == {"hicache": {"host_tokens": 0, "l3_tokens": 12}}
+
+
+def test_a_load_holds_its_slots_until_a_plan_carries_it():
+    s = side(host_pages=2, storage="none")
+    a = Req("a", list(range(9)))
+    s.matched(a, 0)
+    computed(s, a, 9)
+    b = Req("b", list(range(9)))
+    assert s.matched(b, 0) == (8, False)
+    s.allocated(b, 8)
+    c = Req("c", list(range(50, 59)))
+    s.matched(c, 0)
+    plan = s.build({"c": 9}, blocks)             # b not scheduled yet: its slots stay b's
+    assert not plan.loads and not plan.saves
+    plan = s.build({"b": 1}, blocks)
+    assert plan.loads[0].slots and plan.loads[0].blocks == [100, 101]
+
+
+def test_a_plans_saves_may_reuse_the_slots_its_loads_read_first():
+    s = side(host_pages=2, storage="none")
+    a, b, c = Req("a", list(range(9))), Req("b", list(range(9))), Req("c", list(range(50, 59)))
+    s.matched(a, 0)
+    computed(s, a, 9)
+    s.matched(b, 0)
+    s.allocated(b, 8)
+    s.matched(c, 0)
+    plan = s.build({"b": 1, "c": 9}, blocks)
+    assert plan.saves[0].slots == plan.loads[0].slots    # a worker loads before it saves
+
+
+def test_tenants_and_events():
+    s = side(storage="none")
+    a = Req("a", list(range(9)), cache_salt="t1", block_hashes=[b"h0", b"h1"])
+    b = Req("b", list(range(9)), cache_salt="t2")
+    for req in (a, b):
+        s.matched(req, 0)
+        computed(s, req, 9)
+    assert len(s.index.slot_of) == 4                   # the same tokens, two tenants: four pages
+    stored = [e for e in s.events.take() if type(e).__name__ == "BlockStored"]
+    assert stored[0].medium == "CPU" and stored[0].block_hashes == [maybe_convert_block_hash(b"h0")]
