@@ -10,8 +10,25 @@ from .layout import KVLayout
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, without a copy; the caller keeps `t` alive."""
-    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    """The bytes from a tensor's first element to its last (all of them when it is contiguous),
+    without a copy; the caller keeps `t` alive."""
+    span = 1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride())) if t.numel() else 0
+    return memoryview((ctypes.c_ubyte * (span * t.element_size())).from_address(t.data_ptr()))
+
+
+def byte_runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs of bytes a tensor's elements lie in, in element order: (offset from its first
+    element, bytes) each; one run when it is contiguous. The innermost axes laid out back to
+    back make one run; the axes outside them say where each run starts."""
+    dims = [(n, step) for n, step in zip(t.shape, t.stride()) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    starts = torch.zeros((), dtype=torch.int64)
+    for n, step in dims:
+        starts = starts.unsqueeze(-1) + torch.arange(n) * step
+    size = t.element_size()
+    return [(at * size, run * size) for at in starts.flatten().tolist()]
 
 
 class PageAllocator:
@@ -71,7 +88,8 @@ class HostPool:
     def __init__(self, layout: KVLayout, num_pages: int, tensor: torch.Tensor | None = None) -> None:
         """A pool of `num_pages` of its own, or over an engine's host buffer: `tensor`, a view
         shaped (pages, layers, *layout.layer_page_shape), strided where the engine's pages are
-        not one run of bytes (then storage reads through staging instead of in place)."""
+        not one run of bytes (then storage moves a page as its runs, or through staging where
+        they are many and small)."""
         self.layout = layout
         self.alloc = PageAllocator(num_pages, self.tier)
         shape = (num_pages, layout.num_layers, *layout.layer_page_shape)
@@ -81,6 +99,8 @@ class HostPool:
             raise UsageError(f"host buffer is {tuple(tensor.shape)} {tensor.dtype}, the layout needs {shape} "
                              f"{layout.dtype}")
         self.tensor = tensor
+        self.runs = byte_runs(tensor[0])
+        """Where each page's bytes lie, in page order: (offset from the page's first byte, bytes)."""
 
     def page_bytes(self, page: int) -> memoryview:
         """The page's bytes, without a copy."""

@@ -22,10 +22,12 @@ it was told to. A prefetch of whole pages (or of any objects that are one run of
 the host pool) reads straight into the host pages, and verifies them there, so its bytes
 cross memory once, as the bound a verified read can reach does; a call of it given up on
 comes back in `PrefetchResult.late`, and the owner of the pages (the step ledger's
-quarantine) keeps them from other KV until that call has returned. Objects that are strided
-views of the pool (a head group of a page) read into staging the call owns (`staging.py`),
-quarantined by the pool, and are copied into the host pages, while still in cache, only as
-long as the caller waits; from an adapter that `lands_each` object in order, that staging
+quarantine) keeps them from other KV until that call has returned. A whole page that lies in
+a few runs of an engine's buffer (K and V apart) moves in place too, as its runs in order,
+checksummed over them: the object holds the same bytes as if they were one run. Objects
+that are strided views of the pool (a head group of a page) read into staging the call owns
+(`staging.py`), quarantined by the pool, and are copied into the host pages, while still in
+cache, only as long as the caller waits; from an adapter that `lands_each` object in order, that staging
 is a small ring the read streams through, checked and copied beside the reader
 (`checksums.py`). A backup makes no header after its caller gave up, so bytes it reads late
 from pages that moved on fail their checksum: a miss, never another page's KV under this key.
@@ -53,6 +55,8 @@ from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefixes, 
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 STAGING_BYTES = 32 << 20    # most bytes per staged prefetch call, unless one page is more
+MIN_RUN_BYTES = 4 << 10     # a page in runs moves in place when each run is at least this...
+MAX_RUNS = 512              # ...and they are at most this many (an object's parts are one readv)
 
 
 @dataclass
@@ -115,13 +119,14 @@ class PageStore:
     # -- helpers -------------------------------------------------------------------------
 
     def _host_bytes(self, host: HostPool, pin: bool = False) -> memoryview:
-        """The host pool's bytes; with `pin`, registered with the adapter once it can be
-        (backups read them in place, and prefetches of whole pages read into them in place)."""
+        """The host pool's bytes (none when its pages are too many small runs to move in
+        place); with `pin`, registered with the adapter once it can be (backups read them in
+        place, and prefetches of whole pages read into them in place)."""
         ptr = host.tensor.data_ptr()
         with self._hosts_lock:
             if ptr not in self._hosts:
-                whole = host.tensor if host.tensor.is_contiguous() else host.tensor.new_empty(0)
-                self._hosts[ptr] = (host.tensor, tensor_bytes(whole).cast("B"))
+                movable = host.tensor if _movable(host.runs) else host.tensor[:0]
+                self._hosts[ptr] = (host.tensor, tensor_bytes(movable).cast("B"))
             if pin and ptr not in self._pinned and self._hosts[ptr][1].nbytes:
                 try:
                     self.adapter.register_memory(self._hosts[ptr][1])
@@ -131,15 +136,17 @@ class PageStore:
             return self._hosts[ptr][1]
 
     def _in_place(self, host: HostPool, pool: memoryview, pages: list[int],
-                  specs: list[list[ObjectSpec]]) -> list[list[memoryview | None]]:
-        """Each object's bytes in the host pool when it is a whole page (every layer and head
-        this rank holds), else None: a slice of one view, far cheaper than a tensor view per
-        object. A key scheme gives every page objects of the same layers and heads, so which
-        objects are whole pages is decided once; none are, in a pool over a strided buffer."""
-        layers, heads, size = host.layout.num_layers, host.layout.kv_heads, host.layout.page_bytes
+                  specs: list[list[ObjectSpec]]) -> list[list[list[memoryview] | None]]:
+        """Each object's runs of bytes in the host pool when it is a whole page (every layer
+        and head this rank holds), else None: slices of one view, far cheaper than a tensor
+        view per object. A key scheme gives every page objects of the same layers and heads, so
+        which objects are whole pages is decided once; none are, in a pool of too small runs."""
+        layers, heads = host.layout.num_layers, host.layout.kv_heads
         whole = [len(spec.layers) == layers and len(spec.heads) == heads and bool(pool.nbytes)
                  for spec in specs[0]] if specs else []
-        return [[pool[page * size:(page + 1) * size] if w else None for w in whole] for page in pages]
+        step = host.tensor.stride(0) * host.tensor.element_size()
+        return [[[pool[page * step + at:page * step + at + n] for at, n in host.runs] if w else None
+                 for w in whole] for page in pages]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
         """The host-pool view of one object's payload (a view, maybe not contiguous)."""
@@ -149,11 +156,11 @@ class PageStore:
             at[self.layout.head_axis] = slice(h0, h0 + len(spec.heads))
         return host.tensor[(page, slice(l0, l0 + len(spec.layers)), *at)]
 
-    def _dest(self, host: HostPool, page: int, spec: ObjectSpec) -> memoryview | torch.Tensor:
+    def _dest(self, host: HostPool, page: int, spec: ObjectSpec) -> list[memoryview] | torch.Tensor:
         """Where a payload that is not a whole page goes: its bytes when they are one run,
         else the (strided) tensor view."""
         slot = self._slot(host, page, spec)
-        return tensor_bytes(slot).cast("B") if slot.is_contiguous() else slot
+        return [tensor_bytes(slot).cast("B")] if slot.is_contiguous() else slot
 
     def _write_pages(self, page_hashes: list[str]) -> range:
         """Indices of the pages this rank writes."""
@@ -186,18 +193,19 @@ class PageStore:
                     if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
                         copies[-1] = copies[-1].clone()
                         copies[-1].view(-1)[0] += 1.0
-                    payload = tensor_bytes(copies[-1])
+                    payload = [tensor_bytes(copies[-1])]
                 jobs.append((spec, payload))
                 owners.append(i)
         headers = memoryview(bytearray(HEADER_BYTES * len(jobs)))
-        parts = [[headers[HEADER_BYTES * j:HEADER_BYTES * (j + 1)], payload]
+        parts = [[headers[HEADER_BYTES * j:HEADER_BYTES * (j + 1)], *payload]
                  for j, (_, payload) in enumerate(jobs)]
+        sizes = [sum(run.nbytes for run in payload) for _, payload in jobs]
 
         def encode(group: range) -> None:
             for j in group:
-                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, parts[j][1], tenant)
+                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, jobs[j][1], tenant)
 
-        ahead = Ahead([p[1].nbytes for p in parts], encode)
+        ahead = Ahead(sizes, encode)
         try:
             stored = self.adapter.batch_set_parts([spec.key for spec, _ in jobs], parts, ready=ahead.wait)
         except StorageError as exc:
@@ -211,7 +219,7 @@ class PageStore:
                 result.ok[i] = False
                 result.errors += 1
             elif ahead.used[j]:
-                result.bytes += HEADER_BYTES + parts[j][1].nbytes
+                result.bytes += HEADER_BYTES + sizes[j]
                 written.add(i)
         result.skipped = sum(1 for i in mine if result.ok[i] and i not in written)
         self.counters.add(bytes_written=result.bytes, storage_errors=result.errors)
@@ -246,8 +254,8 @@ class PageStore:
         in_place = self._in_place(host, pool, host_pages, specs)
         dests = [[dest if dest is not None else self._dest(host, page, spec) for spec, dest in zip(page_specs, ours)]
                  for page, page_specs, ours in zip(host_pages, specs, in_place)]
-        direct = all(isinstance(dest, memoryview) for page_dests in dests for dest in page_dests)
-        page_bytes = sum(HEADER_BYTES + d.nbytes for d in dests[0])
+        direct = all(isinstance(dest, list) for page_dests in dests for dest in page_dests)
+        page_bytes = sum(HEADER_BYTES + _nbytes(d) for d in dests[0])
         per_call = PREFETCH_CHUNK_PAGES if direct or self.adapter.lands_each else \
             max(1, min(PREFETCH_CHUNK_PAGES, STAGING_BYTES // page_bytes))
         for start in range(0, len(page_hashes), per_call):
@@ -276,13 +284,14 @@ class PageStore:
         objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
                    for spec, dest in zip(page_specs, page_dests)]
         targets = [dest for _, dest in objects]
-        sizes = [HEADER_BYTES + dest.nbytes for dest in targets]
+        sizes = [HEADER_BYTES + _nbytes(dest) for dest in targets]
         prefixes = expected_prefixes([spec for spec, _ in objects], self.namespace,
-                                     [dest.nbytes for dest in targets[:per_page]], tenant)
+                                     [_nbytes(dest) for dest in targets[:per_page]], tenant)
+        copy_to = None if direct else targets
         if direct and checks_inline():
-            checks = InPlace(lambda i, n: _verdict(n, sizes[i], prefixes[i], *parts[i]))
+            checks = InPlace(lambda i, n: _verdict(n, sizes[i], prefixes[i], parts[i][0], parts[i][1:]))
         else:
-            checks = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, targets),
+            checks = Behind(sizes, lambda group, got: _land(group, got, sizes, prefixes, parts, copy_to),
                             streamed=self.adapter.lands_each and not direct, each=self.adapter.lands_each)
         if direct:
             offsets, nbytes = list(range(0, HEADER_BYTES * len(sizes), HEADER_BYTES)), HEADER_BYTES * len(sizes)
@@ -290,7 +299,7 @@ class PageStore:
             offsets, nbytes = checks.offsets()
         try:
             with self.staging.lease(nbytes) as staging:
-                parts = [(staging[at:at + HEADER_BYTES], target if direct else staging[at + HEADER_BYTES:at + n])
+                parts = [[staging[at:at + HEADER_BYTES], *(target if direct else [staging[at + HEADER_BYTES:at + n]])]
                          for at, n, target in zip(offsets, sizes, targets)]
                 try:
                     got = self.adapter.batch_get_parts([spec.key for spec, _ in objects], parts, landed=checks.landed)
@@ -323,26 +332,39 @@ def _check_args(page_hashes: list[str], host_pages: list[int], tenant: bytes) ->
         raise ValueError(f"a tenant is {len(NO_TENANT)} bytes, got {len(tenant)}")
 
 
-def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[tuple],
-          targets: list) -> tuple[list[int], str | None]:
+def _movable(runs: list[tuple[int, int]]) -> bool:
+    """Whether pages in these runs move in place: one run, or a few big enough that a part
+    each costs little beside their bytes."""
+    return len(runs) == 1 or (len(runs) <= MAX_RUNS and min(n for _, n in runs) >= MIN_RUN_BYTES)
+
+
+def _nbytes(dest: list[memoryview] | torch.Tensor) -> int:
+    return dest.nbytes if isinstance(dest, torch.Tensor) else sum(run.nbytes for run in dest)
+
+
+def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes], parts: list[list],
+          targets: list | None) -> tuple[list[int], str | None]:
     """Sizes of the leading intact objects of a group, each copied from staging to its host
-    page unless it was read there, and what ended the group early (None: nothing)."""
+    page (`targets`; None: read there), and what ended the group early (None: nothing)."""
     ok = []
     for i, n in zip(group, got):
-        header, payload = parts[i]
+        header, *payload = parts[i]
         end = _verdict(n, sizes[i], prefixes[i], header, payload)
         if end is not None:
             return ok, end
-        target = targets[i]
+        target = targets[i] if targets is not None else None
         if isinstance(target, torch.Tensor):
-            target.copy_(torch.frombuffer(payload, dtype=target.dtype).view(target.shape))
-        elif target is not payload:     # staged, not read in place
-            ctypes.memmove(buffer_address(target), buffer_address(payload), payload.nbytes)   # GIL-free
+            target.copy_(torch.frombuffer(payload[0], dtype=target.dtype).view(target.shape))
+        elif target is not None:        # its runs, one GIL-free copy each
+            at = buffer_address(payload[0])
+            for run in target:
+                ctypes.memmove(buffer_address(run), at, run.nbytes)
+                at += run.nbytes
         ok.append(n)
     return ok, None
 
 
-def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload) -> str | None:
+def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload: list) -> str | None:
     """Why an object read as `got` bytes is no good (missing, forged, corrupt); None: intact."""
     if got != size:
         return "missing" if got == MISSING else "forged" if got == FORGED else "corrupt"

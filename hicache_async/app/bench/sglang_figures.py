@@ -6,8 +6,11 @@ Each side is timed the way SGLang's controller drives it: ours through `batch_se
 `batch_get_v1` (host slots, no copies by the caller), `HiCacheFile` through the controller's
 generic path (one `get_data_page` copy per page, then `batch_set`; a dummy page per key, then
 `batch_get` and `set_from_flat_data_page`), in batches of SGLang's 128 pages at most. The host
-buffer is a stand-in with SGLang's page-first geometry (its host pool classes import model
-code that a CPU machine without torchvision cannot load).
+buffer is a stand-in with SGLang's geometry in each MHA layout measured (its host pool classes
+import model code that a CPU machine without torchvision cannot load): `page_first`, whose
+pages are runs of one token's layer too small to move in place, so ours goes through staging,
+and `layer_first` and `page_first_direct`, whose pages are a K and a V run a layer, read and
+written in place.
 """
 from __future__ import annotations
 
@@ -20,12 +23,17 @@ from .figure import figure, gbps, skipped
 
 LAYERS, HEADS, DIM, PAGE = 32, 4, 64, 16   # 512 KiB pages of fp16, as the storage figures
 BATCH = 128
+LAYOUTS = {   # SGLang's MHA host buffer shape for n pages, and the page at token slot s (get_data_page's view)
+    "page_first": (lambda n: (2, n * PAGE, LAYERS, HEADS, DIM), lambda kv, s: kv[:, s:s + PAGE]),
+    "layer_first": (lambda n: (2, LAYERS, n * PAGE, HEADS, DIM), lambda kv, s: kv[:, :, s:s + PAGE]),
+    "page_first_direct": (lambda n: (2, n, LAYERS, PAGE, HEADS, DIM), lambda kv, s: kv[:, s // PAGE]),
+}
 
 
-def _pool(pages: int, seed: int) -> SimpleNamespace:
-    """SGLang's MHA page_first host buffer (2, tokens, layers, heads, dim) and the attributes read of it."""
-    kv = torch.randn((2, pages * PAGE, LAYERS, HEADS, DIM), generator=torch.Generator().manual_seed(seed))
-    return SimpleNamespace(kv_buffer=kv.to(torch.float16), layout="page_first", page_size=PAGE, layer_num=LAYERS,
+def _pool(layout: str, pages: int, seed: int) -> SimpleNamespace:
+    """SGLang's MHA host buffer in `layout` and the attributes read of it."""
+    kv = torch.randn(LAYOUTS[layout][0](pages), generator=torch.Generator().manual_seed(seed))
+    return SimpleNamespace(kv_buffer=kv.to(torch.float16), layout=layout, page_size=PAGE, layer_num=LAYERS,
                            head_num=HEADS, head_dim=DIM, v_head_dim=DIM, start_layer=0)
 
 
@@ -38,26 +46,35 @@ def _config(extra: dict):
 
 
 def _theirs_set(backend, pool, keys, slots):
-    pages = [pool.kv_buffer[:, s:s + PAGE].flatten() for s in slots[::PAGE].tolist()]   # get_data_page
-    return backend.batch_set(keys, pages)
+    page = LAYOUTS[pool.layout][1]
+    return backend.batch_set(keys, [page(pool.kv_buffer, s).flatten() for s in slots[::PAGE].tolist()])
 
 
 def _theirs_get(backend, pool, keys, slots):
     dummy = [torch.empty(2 * LAYERS * PAGE * HEADS * DIM, dtype=torch.float16) for _ in keys]
     got = backend.batch_get(keys, dummy)
-    for s, page in zip(slots[::PAGE].tolist(), got):        # set_from_flat_data_page
-        pool.kv_buffer[:, s:s + PAGE] = page.reshape(2, PAGE, LAYERS, HEADS, DIM)
-    return all(page is not None for page in got)
+    for s, flat in zip(slots[::PAGE].tolist(), got):        # set_from_flat_data_page
+        page = LAYOUTS[pool.layout][1](pool.kv_buffer, s)
+        page.copy_(flat.view(page.shape))
+    return all(flat is not None for flat in got)
 
 
 def sglang_figures(quick: bool = False) -> list[dict]:
-    names = ("sglang_batch_set_v1_gbps", "sglang_batch_get_v1_gbps")
+    """Set and get figures for each layout; page_first's under the plain names."""
+    out = []
+    for layout in LAYOUTS:
+        tag = "" if layout == "page_first" else layout + "_"
+        out += _figures(layout, (f"sglang_{tag}batch_set_v1_gbps", f"sglang_{tag}batch_get_v1_gbps"),
+                        (f"sglang_file_{tag}batch_set_gbps", f"sglang_file_{tag}batch_get_gbps"), quick)
+    return out
+
+
+def _figures(layout: str, names: tuple[str, str], baselines: tuple[str, str], quick: bool) -> list[dict]:
     try:
         from hicache_sglang import HiCacheAsyncStorage
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     except ImportError as exc:
-        return [skipped(n, "GB/s", "sglang_file_" + n.split("_", 1)[1], f"sglang not importable: {exc}")
-                for n in names]
+        return [skipped(n, "GB/s", b, f"sglang not importable: {exc}") for n, b in zip(names, baselines)]
     pages, reps = (128, 2) if quick else (256, 4)
     nbytes = pages * 2 * LAYERS * PAGE * HEADS * DIM * 2
     best = {}
@@ -65,10 +82,10 @@ def sglang_figures(quick: bool = False) -> list[dict]:
         for r in range(reps):
             keys = [f"{r:08x}{i:056x}" for i in range(pages)]
             slots = torch.arange(pages * PAGE)
-            ours, mine = HiCacheAsyncStorage(_config({"storage_path": f"{root}/ours{r}"})), _pool(pages, r)
+            ours, mine = HiCacheAsyncStorage(_config({"storage_path": f"{root}/ours{r}"})), _pool(layout, pages, r)
             ours.register_mem_pool_host(mine)
-            theirs, src = HiCacheFile(_config({}), file_path=f"{root}/theirs{r}"), _pool(pages, r)
-            dst, want = _pool(pages, r + 100), src.kv_buffer.clone()
+            theirs, src = HiCacheFile(_config({}), file_path=f"{root}/theirs{r}"), _pool(layout, pages, r)
+            dst, want = _pool(layout, pages, r + 100), src.kv_buffer.clone()
             cut = [(keys[b:b + BATCH], slots[b * PAGE:(b + BATCH) * PAGE]) for b in range(0, pages, BATCH)]
             sides = {
                 "ours_set": lambda: all(ok for k, s in cut for ok in ours.batch_set_v1(k, s)),
@@ -85,9 +102,9 @@ def sglang_figures(quick: bool = False) -> list[dict]:
                 done = []
                 best[name] = max(best.get(name, 0.0), gbps(nbytes, lambda: done.append(sides[name]())))
                 if not done[0]:
-                    raise RuntimeError(f"sglang bench: {name} failed")
+                    raise RuntimeError(f"sglang bench: {layout} {name} failed")
             if not (torch.equal(mine.kv_buffer, want) and torch.equal(dst.kv_buffer, want)):
-                raise RuntimeError("sglang bench: a side read other bytes than were written")
+                raise RuntimeError(f"sglang bench: {layout}: a side read other bytes than were written")
             ours.close()
-    return [figure(names[0], best["ours_set"], "GB/s", "sglang_file_batch_set_gbps", best["theirs_set"]),
-            figure(names[1], best["ours_get"], "GB/s", "sglang_file_batch_get_gbps", best["theirs_get"])]
+    return [figure(names[0], best["ours_set"], "GB/s", baselines[0], best["theirs_set"]),
+            figure(names[1], best["ours_get"], "GB/s", baselines[1], best["theirs_get"])]

@@ -3,8 +3,10 @@
 SGLang lays one buffer out four ways (`--hicache-mem-layout`); each is a permutation of the same
 page, so a view over `kv_buffer` (no copy) gives the page store every page, layer and head
 where SGLang keeps it. K and V sit in separate halves of an MHA buffer, so an MHA page is never
-one run of bytes: the store reads it through staging. An MLA page in `page_first_direct` is
-one run, read and written in place. The layout's name goes into the namespace, so a pool laid
+one run of bytes: in `layer_first` and `page_first_direct` it is a K and a V run a layer, which
+the store reads and writes in place; in `page_first` and `page_head` its runs are one token's
+(or head's) few bytes, read through staging. An MLA page in `page_first_direct` is one run,
+and a run a layer in `layer_first`. The layout's name goes into the namespace, so a pool laid
 out another way misses instead of reading bytes in an order it did not write.
 """
 from __future__ import annotations
