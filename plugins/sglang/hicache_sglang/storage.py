@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -26,6 +27,7 @@ from .options import parse_options
 from .placement import head_group, kv_layout, rank_coords
 
 log = logging.getLogger(__name__)
+LATE_WARN_S = 10.0    # how often a read still running after its deadline is reported
 
 
 class HiCacheAsyncStorage(HiCacheStorage):
@@ -76,8 +78,10 @@ class HiCacheAsyncStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """The leading run of pages read and verified into the host pool: True each, then False."""
         try:
-            got = self.store.prefetch(list(keys), self.host, self._pages(keys, host_indices),
-                                      tenant=_tenant(extra_info)).pages
+            result = self.store.prefetch(list(keys), self.host, self._pages(keys, host_indices),
+                                         tenant=_tenant(extra_info))
+            got = result.pages
+            _until_returned(result.late)
         except Exception:
             log.exception("hicache-async: prefetch of %d pages failed", len(keys))
             got = 0
@@ -131,3 +135,16 @@ def _tenant(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
     hashes, and a caller that also passes it in `extra_info` gets its objects tagged."""
     salt = ((extra_info.extra_info if extra_info is not None else None) or {}).get("cache_salt")
     return tenant_digest(salt) if isinstance(salt, str) and salt else NO_TENANT
+
+
+def _until_returned(late: list) -> None:
+    """Block until every read given up on has returned. It may still write into SGLang's host
+    pages, which SGLang frees and reuses as soon as we answer, and only SGLang could hold them:
+    so we answer late, as SGLang's own backends (which have no deadline) always do. Its other
+    calls fail fast meanwhile: the breaker is open."""
+    for call in late:
+        done = threading.Event()
+        call.when_returned(done.set)
+        while not done.wait(LATE_WARN_S):
+            log.warning("hicache-async: a storage read given up on has not returned after %.0f s; SGLang's "
+                        "host pages it may write into are held until it does", LATE_WARN_S)

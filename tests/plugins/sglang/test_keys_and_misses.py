@@ -151,3 +151,19 @@ def test_a_failing_store_is_false_never_an_exception(tmp_path):
     assert b.batch_set_v1(HASHES, torch.arange(3)) == [False] * 4
     b.close()
     assert b.batch_get_v1(HASHES, slots()) == [False] * 4 and b.batch_exists(HASHES) == 0
+
+
+def test_a_read_given_up_on_is_answered_only_once_it_can_no_longer_write(tmp_path):
+    """SGLang reuses host pages as soon as a get answers: a late read must not outlive it."""
+    from hicache_async.config import CacheConfig
+    from hicache_async.topology import RankCoords
+    from hicache_async.transfer.l3_session import guarded_store
+    from tests.helpers.slow_backend import SlowZeroCopy
+
+    pool = seeded(h.host_pool("mla", "page_first_direct", pages=4), 3)     # a page is one run: read in place
+    b = backend(pool, {"storage_path": str(tmp_path)})
+    slow = SlowZeroCopy(slow_read_s=1.0)
+    b.store = guarded_store(slow, "slow", b.layout, RankCoords(), CacheConfig(storage_timeout_s=0.2))
+    assert b.batch_set_v1(HASHES, slots()) == [True] * 4
+    assert b.batch_get_v1(HASHES, slots()) == [False] * 4     # past its deadline: a miss...
+    assert slow.late_reads == 1 and slow.late_parts           # ...answered after it wrote, in place
