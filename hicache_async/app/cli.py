@@ -216,8 +216,13 @@ def _bench(ns: argparse.Namespace) -> int:
 
     figures = run_bench(quick=ns.quick, only=ns.only)
     for fig in figures:
+        if fig.get("skipped"):
+            print(f"{fig['name']:28s} skipped: {fig['skipped']}")
+            continue
+        ratio = "n/a" if fig["ratio"] is None else f"{fig['ratio']:.3f}"
+        goal = f"  goal <= {fig['goal_max_ratio']}: {fig['goal_met']}" if "goal_met" in fig else ""
         print(f"{fig['name']:28s} {fig['value']:>12.3f} {fig['unit']:6s} vs {fig['baseline_name']} "
-              f"{fig['baseline_value']:.3f}  ratio {fig['ratio']:.3f}")
+              f"{fig['baseline_value']:.3f}  ratio {ratio}{goal}")
     _write_json(figures, ns.json)
     return 0
 

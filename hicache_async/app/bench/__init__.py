@@ -14,6 +14,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     from . import sync_figures as sync
     from .sglang_figures import sglang_figures
     from .storage_figures import storage_figures
+    from .vllm_figures import vllm_figures
 
     n = 1 if quick else 4
     return {
@@ -23,6 +24,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "admission_scale": lambda: [admission.admission_scale(admissions=200 * n, rounds=3 if quick else 5)],
         "storage": lambda: storage_figures(quick=quick),
         "sglang": lambda: sglang_figures(quick=quick),
+        "vllm": lambda: vllm_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
+from hicache_async.app.bench.vllm_engine import write_llama
 from hicache_async.keys import page_hashes
 
 from .engines import RESET, gen, run_engine
-from .llama import write_llama
 
 BLOCK = 32
 PROMPT_TOKENS = 300     # nine full blocks: the hit is 288 tokens
@@ -17,7 +17,8 @@ SHARED_PAGES = 7        # the second prompt shares the first seven blocks
 
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory):
-    return write_llama(tmp_path_factory.mktemp("llama") / "model")
+    return write_llama(tmp_path_factory.mktemp("llama") / "model", layers=4, hidden=256, heads=4, kv_heads=2,
+                       vocab=1024, intermediate=512, logit_scale=4.0)
 
 
 @pytest.fixture(scope="session")

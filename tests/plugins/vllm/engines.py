@@ -1,47 +1,31 @@
-"""Starting real vLLM engines for the tests: each a subprocess running `engine_run.py`."""
+"""Real vLLM engines for the tests: each its own process (`hicache_async.app.bench.vllm_engine`)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from .engine_run import MARK
+from hicache_async.app.bench.vllm_engine import run_engine as _run
+from hicache_async.app.bench.vllm_engine import start_engine as _start
 
-RUNNER = Path(__file__).with_name("engine_run.py")
 START_TIMEOUT_S = 400      # a tp=2 engine starts in about a minute on two cores
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-
-
-class EngineFailed(AssertionError):
-    def __init__(self, proc: subprocess.CompletedProcess) -> None:
-        super().__init__(f"engine exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        self.proc = proc
+RESET = {"op": "reset"}
 
 
 def run_engine(model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
-               timeout_s: float = START_TIMEOUT_S, **spec) -> list[dict]:
+               **spec) -> list[dict]:
     """What each `generate` step gave: tokens, top-3 logprobs, num_cached_tokens, params."""
-    proc = start_engine(model, steps, extra, env=env, timeout_s=timeout_s, **spec)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise EngineFailed(proc)
-    return json.loads(lines[-1][len(MARK):])
+    return _run({"model": str(model), "steps": steps, "extra": extra, "kv_bytes": 64 << 20, **spec}, env,
+                START_TIMEOUT_S)
 
 
-def start_engine(model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
-                 timeout_s: float = START_TIMEOUT_S, **spec) -> subprocess.CompletedProcess:
-    payload = json.dumps({"model": str(model), "steps": steps, "extra": extra, **spec})
-    return subprocess.run([sys.executable, str(RUNNER), payload], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, **(env or {})}, cwd=str(RUNNER.parents[3]))
+def start_engine(model: Path, steps: list[dict], extra: dict | None = None, **spec):
+    return _start({"model": str(model), "steps": steps, "extra": extra, "kv_bytes": 64 << 20, **spec},
+                  timeout_s=START_TIMEOUT_S)
 
 
-def gen(prompt: list[int], salt: str | None = None, **kw) -> dict:
-    return {"op": "generate", "prompt": prompt, "salt": salt, **kw}
-
-
-RESET = {"op": "reset"}
+def gen(prompt: list[int], salt: str | None = None) -> dict:
+    """Eight greedy tokens with their top-3 logprobs."""
+    return {"op": "generate", "prompt": prompt, "salt": salt, "max_tokens": 8, "logprobs": 3}
 
 
 def same_output(a: dict, b: dict) -> bool:

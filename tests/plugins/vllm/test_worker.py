@@ -4,6 +4,9 @@ from __future__ import annotations
 import time
 
 import torch
+from hicache_vllm.plan import Commit, Job
+from hicache_vllm.settings import Settings
+from hicache_vllm.worker import WorkerSide
 
 from hicache_async.config import CacheConfig
 from hicache_async.keys import page_hashes
@@ -11,9 +14,6 @@ from hicache_async.layout import KVLayout
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.l3_session import guarded_store
 from hicache_async.transfer.objects import NO_TENANT
-from hicache_vllm.plan import Commit, Job
-from hicache_vllm.settings import Settings
-from hicache_vllm.worker import WorkerSide
 from tests.helpers.slow_backend import SlowZeroCopy
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.bfloat16,

@@ -1,0 +1,127 @@
+"""One real vLLM engine (CPU build) in a fresh process, for the vLLM figures and tests.
+
+`python -m hicache_async.app.bench.vllm_engine SPEC_JSON` prints one JSON line: per `generate`
+step its seconds (TTFT with max_tokens=1), greedy tokens, top-k logprobs, `num_cached_tokens`
+and `kv_transfer_params`. A fresh process per engine is what a server restart is, and keeps
+vLLM's process-wide state out of the next engine. The spec: model, dtype, tp, block_size, the
+connector (None, "HiCacheConnector", by module path or with `by_name` by its entry point, or
+"ExampleConnector") and its extra config, named `prompts`, and `steps`: `generate` (a prompt or
+a prompt's name, optional `salt`, `max_tokens`, `logprobs`), `reset` (vLLM's prefix cache) or
+`kill` (SIGKILL a pid: a storage server dying mid-run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ...errors import HiCacheError
+
+MARK = "VLLM-BENCH "
+TIMEOUT_S = 600
+
+
+def write_llama(path: Path, *, layers: int = 8, hidden: int = 512, heads: int = 8, kv_heads: int | None = None,
+                vocab: int = 2048, intermediate: int = 1024, logit_scale: float = 1.0, seed: int = 0) -> Path:
+    """A Llama with seeded random weights scaled by 1/sqrt(fan-in): vLLM's `load_format="dummy"`
+    gives near-zero weights, every logit about equal, so a wrong KV byte hardly shows; with these,
+    greedy tokens and their logprobs depend on every KV byte. The default is sized so prefill
+    dominates a 2,000-token TTFT (512 KiB of bf16 KV a 32-token block); a `logit_scale` above 1
+    widens the gaps between logits, so greedy tokens survive another TP's rounding."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    dim, kv_heads = hidden // heads, kv_heads or heads
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "head_dim": dim, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2}))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) / cols ** 0.5).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden) * logit_scale,
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv_heads * dim, hidden),
+              "self_attn.v_proj": (kv_heads * dim, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+              "mlp.down_proj": (hidden, intermediate)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({f"{p}{name}.weight": w(rows, cols) for name, (rows, cols) in shapes.items()})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{p}{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def run_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """What each `generate` step of a fresh engine process gave; a failed engine is an
+    EngineFailed naming its exit code and the end of its stderr."""
+    proc = start_engine(spec, env, timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise EngineFailed(f"vllm engine ({spec.get('connector')}) exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """The finished engine process, whatever its exit."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    if spec.get("tp", 1) == 1:      # one process: starts in seconds, not a minute
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+
+
+class EngineFailed(HiCacheError):
+    """A vLLM engine exited without its results (a refused config, a crash)."""
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    connector, transfer = spec.get("connector", "HiCacheConnector"), None
+    if connector and spec.get("extra") is not None:
+        transfer = {"kv_connector": connector, "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": spec["extra"]}
+        if connector == "HiCacheConnector" and not spec.get("by_name"):
+            transfer["kv_connector_module_path"] = "hicache_vllm"
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
+              kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
+              block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
+              kv_transfer_config=transfer)
+    prompts, results = spec.get("prompts", {}), []
+    for step in spec["steps"]:
+        if step["op"] == "reset":
+            llm.reset_prefix_cache()
+            continue
+        if step["op"] == "kill":
+            os.kill(step["pid"], signal.SIGKILL)
+            continue
+        prompt = TokensPrompt(prompt_token_ids=prompts.get(step["prompt"]) if isinstance(step["prompt"], str)
+                              else step["prompt"])
+        if step.get("salt"):
+            prompt["cache_salt"] = step["salt"]
+        sampling = SamplingParams(max_tokens=step.get("max_tokens", 1), temperature=0, logprobs=step.get("logprobs"))
+        started = time.perf_counter()
+        out = llm.generate([prompt], sampling, use_tqdm=False)[0]
+        seconds = time.perf_counter() - started
+        logprobs = [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs or []]
+        results.append({"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
+                        "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
+    print(MARK + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
