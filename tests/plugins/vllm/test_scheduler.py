@@ -119,3 +119,15 @@ def test_tenants_and_events():
     assert len(s.index.slot_of) == 4                   # the same tokens, two tenants: four pages
     stored = [e for e in s.events.take() if type(e).__name__ == "BlockStored"]
     assert stored[0].medium == "CPU" and stored[0].block_hashes == [maybe_convert_block_hash(b"h0")]
+
+
+def test_stats_are_each_intervals_sums_added_across_workers():
+    from hicache_vllm.stats import Deltas
+
+    deltas = Deltas()
+    assert deltas.take({"l3_read_pages": 0}) is None
+    first = deltas.take({"l3_read_pages": 3, "l3_corrupt_objects": 1})
+    assert first.data == {"l3_read_pages": 3, "l3_corrupt_objects": 1}
+    assert deltas.take({"l3_read_pages": 3, "l3_corrupt_objects": 1}) is None      # nothing new
+    other = Deltas().take({"l3_read_pages": 2})
+    assert first.aggregate(other).reduce() == {"l3_read_pages": 5, "l3_corrupt_objects": 1}
