@@ -38,7 +38,7 @@ def vllm_figures(quick: bool = False) -> list[dict]:
         return [skipped(n, n.rsplit("_", 1)[1], BASELINE, f"vllm not importable: {exc}") for n in NAMES]
     from .vllm_engine import run_engine, write_llama
 
-    reps = 2 if quick else 3
+    reps = 2 if quick else 5
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:

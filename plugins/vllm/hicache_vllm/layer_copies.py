@@ -9,8 +9,6 @@ its attention asks, so the forward pass starts without waiting for the rest.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from hicache_async.pools import HostPool
@@ -24,10 +22,12 @@ class LayerCopies:
         self.cuda = kv[0].is_cuda
         self.stream = torch.cuda.Stream(device=kv[0].device) if self.cuda else None
         self._loads: list[Move] = []
+        self._index = _indices([])     # the loads' host slots and blocks
         self._pending: list = []        # per layer: a CUDA event, or True while the CPU copy waits
 
     def load(self, moves: list[Move]) -> None:
         self._loads = [m for m in moves if m.slots]
+        self._index = _indices(self._loads)
         if not self._loads:
             self._pending = []
             return
@@ -65,17 +65,29 @@ class LayerCopies:
             return
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.kv[0].device))
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+        slots, blocks = _indices(moves)
+        if not self.cuda:       # one gather and one scatter a layer
             for layer, kv in enumerate(self.kv):
-                for move in moves:
-                    for slot, block in zip(move.slots, move.blocks):
-                        self.host.tensor[slot, layer].copy_(kv[block], non_blocking=self.cuda)
-        if self.cuda:
-            self.stream.synchronize()
+                self.host.tensor[slots, layer] = kv[blocks]
+            return
+        with torch.cuda.stream(self.stream):
+            for layer, kv in enumerate(self.kv):
+                for slot, block in zip(slots.tolist(), blocks.tolist()):
+                    self.host.tensor[slot, layer].copy_(kv[block], non_blocking=True)
+        self.stream.synchronize()
 
     def _load_layer(self, layer: int) -> None:
-        kv = self.kv[layer]
-        for move in self._loads:
-            for slot, block in zip(move.slots, move.blocks):
-                kv[block].copy_(self.host.tensor[slot, layer], non_blocking=self.cuda)
+        kv, (slots, blocks) = self.kv[layer], self._index
+        if not self.cuda:
+            kv[blocks] = self.host.tensor[slots, layer]
+            return
+        for slot, block in zip(slots.tolist(), blocks.tolist()):   # pinned pages, each its own async copy
+            kv[block].copy_(self.host.tensor[slot, layer], non_blocking=True)
+
+
+def _indices(moves: list[Move]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every move's host slots and vLLM blocks, as index tensors."""
+    slots = [s for m in moves for s in m.slots]
+    blocks = [b for m in moves for b in m.blocks]
+    return torch.tensor(slots, dtype=torch.long), torch.tensor(blocks, dtype=torch.long)
 

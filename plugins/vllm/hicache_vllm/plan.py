@@ -54,6 +54,7 @@ class StepPlan(KVConnectorMetadata):
     saves: list[Move] = field(default_factory=list)       # blocks -> host, after it
     backups: list[Job] = field(default_factory=list)      # host -> L3, in the background
     prefetches: list[Job] = field(default_factory=list)   # L3 -> landing, in the background
+    idle: bool = False                                    # no forward pass: only L3 is awaited
 
 
 @dataclass

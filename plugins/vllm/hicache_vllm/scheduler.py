@@ -112,6 +112,7 @@ class SchedulerSide:
             st = self.requests.get(req_id)
             if st is not None:
                 self._save(plan, st, st.request.num_computed_tokens + n, block_ids)
+        plan.idle = not scheduled
         return plan
 
     def finished(self, request) -> dict:

@@ -14,7 +14,7 @@ import atexit
 import contextlib
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import anyio
@@ -36,6 +36,7 @@ from .settings import Settings
 
 log = structlog.get_logger(__name__)
 FENCE_S = 60.0      # longest a copy waits for a backup reading its slot (each call has its own deadline)
+IDLE_WAIT_S = 0.05  # longest an engine step with no forward pass waits for a prefetch
 
 
 class WorkerSide:
@@ -55,6 +56,7 @@ class WorkerSide:
         self._landed: dict[int, list[int]] = {}        # finished prefetch -> its landing pages
         self._finished: dict[int, int] = {}            # job -> pages, not yet reported
         self._running: set[Future] = set()
+        self._prefetching: set[Future] = set()
         self._load_span = None
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
@@ -105,7 +107,17 @@ class WorkerSide:
         for job in plan.backups:
             self._background("backup", job)
         for job in plan.prefetches:
-            self._background("prefetch", job)
+            self._prefetching.add(self._background("prefetch", job))
+        if plan.idle:
+            self._await_prefetch()
+
+    def _await_prefetch(self) -> None:
+        """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
+        prefetch to finish, so its report goes out this step, instead of spinning through empty
+        steps that hold the GIL while the reading thread needs it."""
+        self._prefetching = {f for f in self._prefetching if f is not None and not f.done()}
+        if self._prefetching:
+            wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _span(self, kind: TransferKind, work: list, pages: int | None = None):
         """A transfer's span, named by vLLM's request ids."""
@@ -137,11 +149,11 @@ class WorkerSide:
 
     # -- L3 --------------------------------------------------------------------------------
 
-    def _background(self, kind: str, job: Job) -> None:
+    def _background(self, kind: str, job: Job) -> Future | None:
         if self.store is None:      # nothing to do, but the scheduler waits for every job
             with self._lock:
                 self._finished[job.job] = 0
-            return
+            return None
         run = self._backup if kind == "backup" else self._prefetch
         future = self._portal.start_task_soon(self._in_thread, kind, run, job)
         self._running.add(future)
@@ -150,6 +162,7 @@ class WorkerSide:
             with self._lock:
                 for slot in job.slots:
                     self._reading[slot] = future
+        return future
 
     async def _in_thread(self, kind: str, run, job: Job) -> None:
         span = self._span(TransferKind(kind), [job], len(job.hashes))
