@@ -104,8 +104,8 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         if not num_external_tokens:
             return {}
-        from_l3 = self.scheduler.requests[request.request_id].from_l3 if request.request_id in \
-            self.scheduler.requests else 0
+        st = self.scheduler.requests.get(request.request_id)
+        from_l3 = st.from_l3 if st is not None else 0
         split = {CacheHitSource.HOST: num_external_tokens - from_l3, CacheHitSource.DISK: from_l3}
         return {k: v for k, v in split.items() if v}
 

@@ -6,6 +6,7 @@ this step reads, or one an unfinished prefetch is filling.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 
 from hicache_async.pools import PageAllocator
@@ -36,15 +37,14 @@ class HostIndex:
         """Up to `n` slots, free ones first, then the least recently used unpinned pages'; and the
         pages that left: (hash, slot, tenant)."""
         got = self.free.alloc(min(n, self.free.free))
+        if len(got) == n:       # the common case: no page leaves, and the index is not walked
+            return got, []
+        leaving = list(itertools.islice((h for h, slot in self.slot_of.items() if not self.pins[slot]), n - len(got)))
         evicted = []
-        for h, slot in list(self.slot_of.items()):
-            if len(got) == n:
-                break
-            if not self.pins[slot]:
-                del self.slot_of[h]
-                self.from_l3.discard(h)
-                evicted.append((h, slot, self.tenant_of.pop(h)))
-                got.append(slot)
+        for h in leaving:
+            self.from_l3.discard(h)
+            evicted.append((h, self.slot_of.pop(h), self.tenant_of.pop(h)))
+            got.append(evicted[-1][1])
         return got, evicted
 
     def put(self, page_hash: str, slot: int, tenant: bytes, from_l3: bool = False) -> None:

@@ -29,7 +29,6 @@ class RequestPages:
     looked_in_l3: bool = False
     job: int | None = None               # the prefetch it waits for
     load: tuple[int, list[int]] | None = None   # (first page, slots) to load
-    pinned: bool = False                 # vLLM allocated for the load: it must happen
     saved: int = 0                       # leading pages already in the host tier or planned
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
@@ -50,8 +49,9 @@ class SchedulerSide:
         self.index = HostIndex(settings.host_pages)
         self.l3 = settings.storage != "none"
         self.requests: dict[str, RequestPages] = {}
+        self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
         self.jobs: dict[int, tuple[Job, str, list[str]]] = {}   # unfinished: kind, requests waiting
-        self.reports: dict[int, tuple[int, int]] = {}
+        self.reports = JobReports()                     # of jobs not every worker has reported yet
         self.stored_l3: set[str] = set()                # pages known to be in L3
         self.uses: dict[str, int] = {}                  # host hits per page (selective write-through)
         self.plan = StepPlan()
@@ -86,8 +86,9 @@ class SchedulerSide:
             return
         first, slots = st.load
         slots = slots[:num_external_tokens // self.page_size]
-        st.load, st.pinned = (first, slots), True
-        self.index.pin(slots)       # till a plan carries the load: vLLM counts these tokens computed
+        st.load = (first, slots)
+        self.loading[request.request_id] = st   # vLLM counts these tokens computed: the load must happen
+        self.index.pin(slots)       # till a plan carries the load
         pages = st.hashes[first:first + len(slots)]
         from_l3 = sum(1 for h in pages if h in self.index.from_l3)
         st.from_host += len(slots) * self.page_size
@@ -102,12 +103,12 @@ class SchedulerSide:
         """This step's plan: what was decided since the last one (commits, prefetches), the
         loads decided at allocation, and the saves of every page this step completes."""
         plan, self.plan = self.plan, StepPlan()
-        for req_id, st in self.requests.items():
-            if st.load is not None and st.pinned and req_id in scheduled:
-                first, slots = st.load
-                plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)]))
-                self.index.pin(slots, -1)   # workers load before this plan's saves reuse a slot
-                st.load, st.pinned = None, False
+        for req_id in [r for r in self.loading if r in scheduled]:
+            st = self.loading.pop(req_id)
+            first, slots = st.load
+            plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)]))
+            self.index.pin(slots, -1)       # workers load before this plan's saves reuse a slot
+            st.load = None
         for req_id, n in scheduled.items():
             st = self.requests.get(req_id)
             if st is not None:
@@ -120,17 +121,17 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return {}
-        if st.pinned:
+        if self.loading.pop(request.request_id, None) is not None:
             self.index.pin(st.load[1], -1)
         return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3}}
 
     def reported(self, reports: JobReports | None) -> None:
         """Fold the workers' job reports in; a job every worker reported is done."""
-        for job, (n, pages) in (reports.done if reports else {}).items():
-            seen, least = self.reports.get(job, (0, pages))
-            self.reports[job] = (seen + n, min(least, pages))
-            if self.reports[job][0] >= self.workers:
-                self._done(job, self.reports.pop(job)[1])
+        if reports is None:
+            return
+        self.reports = self.reports.aggregate(reports)
+        for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
+            self._done(job, self.reports.done.pop(job)[1])
 
     # -- plans -----------------------------------------------------------------------------
 

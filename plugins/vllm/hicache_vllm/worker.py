@@ -84,9 +84,9 @@ class WorkerSide:
             self._commit(commit)
         for move in plan.loads:
             self._fence(move.slots)
-        self._load_span = self._span(TransferKind.LOAD, plan.loads) if plan.loads else None
+        self._load_span = self._moves_span(TransferKind.LOAD, plan.loads)
         self.copies.load(plan.loads)
-        self._count(host_loaded_pages=sum(len(m.slots) for m in plan.loads))
+        self._count(host_loaded_pages=_pages(plan.loads))
 
     def wait_layer(self, layer: int) -> None:
         self.copies.wait_layer(layer)
@@ -99,11 +99,11 @@ class WorkerSide:
             self._load_span = None
         for move in plan.saves:
             self._fence(move.slots)
-        span = self._span(TransferKind.WRITE, plan.saves) if plan.saves else None
+        span = self._moves_span(TransferKind.WRITE, plan.saves)
         self.copies.save(plan.saves)
         if span is not None:
             spans.finish_transfer(span)
-        self._count(host_saved_pages=sum(len(m.slots) for m in plan.saves))
+        self._count(host_saved_pages=_pages(plan.saves))
         for job in plan.backups:
             self._background("backup", job)
         for job in plan.prefetches:
@@ -119,10 +119,13 @@ class WorkerSide:
         if self._prefetching:
             wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def _span(self, kind: TransferKind, work: list, pages: int | None = None):
+    def _moves_span(self, kind: TransferKind, moves: list):
+        """The span of a step's loads or saves; None when there are none."""
+        return self._span(kind, _pages(moves), (m.req_id for m in moves)) if moves else None
+
+    def _span(self, kind: TransferKind, pages: int, req_ids):
         """A transfer's span, named by vLLM's request ids."""
-        pages = sum(len(m.slots) for m in work) if pages is None else pages
-        req_ids = sorted({r for m in work for r in getattr(m, "req_ids", [getattr(m, "req_id", None)]) if r})
+        req_ids = sorted(set(req_ids))
         return spans.start_transfer(kind, pages=pages, nbytes=pages * self.layout.page_bytes, coords=self.coords,
                                     key_scheme=self.settings.key_scheme, attrs={"vllm.request_ids": req_ids})
 
@@ -165,7 +168,7 @@ class WorkerSide:
         return future
 
     async def _in_thread(self, kind: str, run, job: Job) -> None:
-        span = self._span(TransferKind(kind), [job], len(job.hashes))
+        span = self._span(TransferKind(kind), len(job.hashes), job.req_ids)
         error = None
         try:
             pages = await anyio.to_thread.run_sync(run, job, limiter=self._limiters[kind])
@@ -239,3 +242,6 @@ class WorkerSide:
                 pass
         self._stack.close()
 
+
+def _pages(moves: list) -> int:
+    return sum(len(m.slots) for m in moves)
