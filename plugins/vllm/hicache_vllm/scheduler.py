@@ -10,6 +10,7 @@ becomes KV. Host-tier hits load synchronously, layer by layer, beside the forwar
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from hicache_async.keys import page_hashes, tenant_digest
@@ -18,6 +19,8 @@ from .host_index import HostIndex
 from .plan import Commit, Job, JobReports, Move, StepPlan
 from .settings import Settings
 from .tier_events import TierEvents
+
+KNOWN_PAGES = 1 << 20   # pages the scheduler remembers as stored in L3, and the uses of
 
 
 @dataclass
@@ -50,10 +53,10 @@ class SchedulerSide:
         self.l3 = settings.storage != "none"
         self.requests: dict[str, RequestPages] = {}
         self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
-        self.jobs: dict[int, tuple[Job, str, list[str]]] = {}   # unfinished: kind, requests waiting
+        self.jobs: dict[int, tuple[Job, str]] = {}      # unfinished, with their kind
         self.reports = JobReports()                     # of jobs not every worker has reported yet
-        self.stored_l3: set[str] = set()                # pages known to be in L3
-        self.uses: dict[str, int] = {}                  # host hits per page (selective write-through)
+        self.stored_l3: OrderedDict[str, None] = OrderedDict()   # pages known to be in L3, the latest
+        self.uses: OrderedDict[str, int] = OrderedDict()         # host hits per page (selective write-through)
         self.plan = StepPlan()
         self.events = TierEvents(page_size)
         self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
@@ -136,15 +139,16 @@ class SchedulerSide:
     # -- plans -----------------------------------------------------------------------------
 
     def _job(self, plan_list: list[Job], kind: str, hashes: list[str], tenant: bytes, slots: list[int] = (),
-             waiting: list[str] = (), req_ids: list[str] = ()) -> Job:
-        job = Job(next(self._ids), hashes, tenant, list(slots), list(req_ids or waiting))
-        self.jobs[job.job] = (job, kind, list(waiting))
+             req_ids: list[str] = ()) -> Job:
+        """A job for the workers; a prefetch's requests wait for it."""
+        job = Job(next(self._ids), hashes, tenant, list(slots), list(req_ids))
+        self.jobs[job.job] = (job, kind)
         plan_list.append(job)
         return job
 
     def _prefetch(self, st: RequestPages, hashes: list[str]) -> None:
         st.job = self._job(self.plan.prefetches, "prefetch", hashes, tenant_digest(st.request.cache_salt),
-                           waiting=[st.request.request_id]).job
+                           req_ids=[st.request.request_id]).job
         self.counts["l3_looked_pages"] += len(hashes)
 
     def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = ()) -> None:
@@ -189,13 +193,15 @@ class SchedulerSide:
         tenant = tenant_digest(st.request.cache_salt)
         again = [(h, s, tenant) for h, s in zip(pages, slots) if self.uses.get(h, 0) >= 1]
         for h in pages:
-            self.uses[h] = self.uses.get(h, 0) + 1
+            self.uses[h] = self.uses.pop(h, 0) + 1
+        _forget_oldest(self.uses)
         if self.l3 and again:
             self._backup(self.plan.backups, again, [st.request.request_id])
 
     def _done(self, job_id: int, pages: int) -> None:
-        job, kind, waiting = self.jobs.pop(job_id)
-        self.stored_l3.update(job.hashes[:pages])
+        job, kind = self.jobs.pop(job_id)
+        self.stored_l3.update(dict.fromkeys(job.hashes[:pages]))
+        _forget_oldest(self.stored_l3)
         if kind == "backup":
             self.events.stored_hashes(job.hashes[:pages], "STORAGE")
             return
@@ -205,7 +211,14 @@ class SchedulerSide:
             self.index.put(job.hashes[i], s, job.tenant, from_l3=True)
         self.plan.commits.append(Commit(job_id, fresh[:len(slots)], slots))
         self.counts["l3_prefetched_pages"] += len(slots)
-        for req_id in waiting:
+        for req_id in job.req_ids:
             st = self.requests.get(req_id)
             if st is not None:
                 st.job = None
+
+
+def _forget_oldest(known: OrderedDict) -> None:
+    """Keep what the scheduler remembers of pages bounded: a page forgotten costs at most a
+    backup that finds its object already stored, or a second use counted as a first."""
+    while len(known) > KNOWN_PAGES:
+        known.popitem(last=False)
