@@ -13,7 +13,7 @@ import sys
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -24,25 +24,39 @@ from .topology import RankCoords
 
 
 def page_hashes(token_ids: Iterable[int], page_size: int, prior: str | None = None, *,
-                salt: str | None = None) -> list[str]:
+                salt: str | None = None, adapter: str | None = None,
+                extras: Sequence[bytes] | None = None) -> list[str]:
     """Chained SHA-256 hex digest of each full page; a partial trailing page gets none.
 
     Each digest covers the previous page's digest bytes (or `prior`'s) and the page's token
     ids as 4-byte little-endian unsigned ints, so a page's key fixes its whole prefix.
     A tenant's `salt` (vLLM's `cache_salt`) stands in for the previous digest of the first
     page, so every page of two salts differs and one salt shares as before; a `prior` already
-    carries its chain's salt. Never Python's `hash()`: it is salted per process and would
+    carries its chain's salt. An `adapter` (a digest of LoRA weights) joins the salt at the
+    chain's start, for the same reason. `extras[i]`, when given and not empty, is hashed after
+    page i's tokens: what else decides that page's KV (its slice of prompt embeddings, the
+    multimodal items in it). Never Python's `hash()`: it is salted per process and would
     miss across processes.
     """
-    if salt is not None and prior is not None:
-        raise ValueError("pass a salt or a prior, not both: the prior already carries its chain's salt")
+    if (salt is not None or adapter is not None) and prior is not None:
+        raise ValueError("pass a salt or adapter, or a prior, not both: the prior already carries its chain's start")
     if prior is None:
-        return [d.hex() for d in page_digests(token_ids, page_size, salt_digest(salt))]
+        return [d.hex() for d in page_digests(token_ids, page_size, chain_start(salt, adapter), extras)]
     try:
         prev = bytes.fromhex(prior)
     except ValueError:
         raise ValueError(f"prior must be a hex digest, got {prior!r}") from None
-    return [d.hex() for d in page_digests(token_ids, page_size, prev)]
+    return [d.hex() for d in page_digests(token_ids, page_size, prev, extras)]
+
+
+def chain_start(salt: str | None, adapter: str | None = None) -> bytes:
+    """What a chain starts from: the salt's digest, and the adapter's folded in after it."""
+    start = salt_digest(salt)
+    if adapter is None:
+        return start
+    if not isinstance(adapter, str) or not adapter:
+        raise ValueError(f"adapter must be a non-empty digest string, got {adapter!r}")
+    return hashlib.sha256(b"hicache-async adapter\0" + start + adapter.encode()).digest()
 
 
 def salt_digest(salt: str | None) -> bytes:
@@ -59,7 +73,8 @@ def tenant_digest(salt: str | None) -> bytes:
     return salt_digest(salt)[:8] if salt is not None else bytes(8)
 
 
-def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: bytes = b"") -> list[bytes]:
+def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: bytes = b"",
+                 extras: Sequence[bytes] | None = None) -> list[bytes]:
     """`page_hashes` as raw digest bytes, for callers that chain or index them by the million."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
@@ -67,8 +82,9 @@ def page_digests(token_ids: Iterable[int] | np.ndarray, page_size: int, prior: b
     step = page_size * 4
     unchained = faults.injected() == "unchained-hash"
     out, prev = [], prior
-    for start in range(0, len(data) - step + 1, step):
-        prev = hashlib.sha256((b"" if unchained else prev) + data[start:start + step]).digest()
+    for i, start in enumerate(range(0, len(data) - step + 1, step)):
+        extra = extras[i] if extras is not None and i < len(extras) else b""
+        prev = hashlib.sha256((b"" if unchained else prev) + data[start:start + step] + extra).digest()
         out.append(prev)
     return out
 

@@ -88,3 +88,23 @@ class SlowZeroCopy(SlowReads):
         if landed is not None:
             landed(0, out)
         return out
+
+
+class SlowWrites(SlowZeroCopy):
+    """Writes the way a zero-copy engine does: each object's parts are read as its transfer
+    runs, `slow_write_s` after the last one, so a writer still running reads host memory
+    whatever it holds by then."""
+
+    def __init__(self, *args, slow_write_s: float = 0.2, **options) -> None:
+        super().__init__(*args, **options)
+        self.write_s = slow_write_s
+
+    def batch_set_parts(self, keys, parts, ready=None):
+        for i, (key, ps) in enumerate(zip(keys, parts)):
+            if key in self.objects:
+                continue
+            time.sleep(self.write_s)
+            if ready is not None:
+                ready(i)
+            self.objects[key] = b"".join(bytes(p) for p in ps)
+        return [True] * len(keys)

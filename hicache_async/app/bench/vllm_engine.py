@@ -5,9 +5,12 @@ step its seconds (TTFT with max_tokens=1), greedy tokens, top-k logprobs, `num_c
 and `kv_transfer_params`. A fresh process per engine is what a server restart is, and keeps
 vLLM's process-wide state out of the next engine. The spec: model, dtype, tp, block_size, the
 connector (None, "HiCacheConnector", by module path or with `by_name` by its entry point, or
-"ExampleConnector") and its extra config, named `prompts`, and `steps`: `generate` (a prompt or
-a prompt's name, optional `salt`, `max_tokens`, `logprobs`), `reset` (vLLM's prefix cache) or
-`kill` (SIGKILL a pid: a storage server dying mid-run).
+"ExampleConnector") and its extra config, `lora_rank` (LoRA on, adapters up to that rank),
+`prompt_embeds` (prompt embeddings on), named `prompts`, and `steps`: `generate` (a prompt or
+a prompt's name, optional `salt`, `max_tokens`, `logprobs`, `prompt_logprobs`, `lora`
+[name, id, path], or `embeds_seed` for seeded random prompt embeddings of `embeds_len`
+tokens in place of a prompt), `reset` (vLLM's prefix cache) or `kill` (SIGKILL a pid: a
+storage server dying mid-run).
 """
 from __future__ import annotations
 
@@ -63,6 +66,44 @@ def write_llama(path: Path, *, layers: int = 8, hidden: int = 512, heads: int = 
     return path
 
 
+def write_tokenizer(path: Path, vocab: int = 2048) -> Path:
+    """A word-level tokenizer for `write_llama`'s model (id i is the word `t{i}`, no special
+    tokens), so any ids decode to text that encodes back to the same ids: what a client that
+    sends text (`vllm bench serve`) needs for exact prompt lengths and shared prefixes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "model_max_length": 4096}))
+    return path
+
+
+def write_lora(path: Path, model: Path, *, rank: int = 8, seed: int = 1) -> Path:
+    """A PEFT LoRA adapter on q/k/v of every layer of `model`, with seeded random A and B
+    large enough to change the KV (and so the greedy tokens) of every layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(model)}))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for name, out in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv)):
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            tensors[f"{p}.lora_A.weight"] = (torch.randn(rank, hidden, generator=g) / hidden ** 0.5).contiguous()
+            tensors[f"{p}.lora_B.weight"] = (torch.randn(out, rank, generator=g) / rank ** 0.5).contiguous()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
 def run_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> list[dict]:
     """What each `generate` step of a fresh engine process gave; a failed engine is an
     EngineFailed naming its exit code and the end of its stderr."""
@@ -89,7 +130,7 @@ class EngineFailed(HiCacheError):
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     connector, transfer = spec.get("connector", "HiCacheConnector"), None
     if connector and spec.get("extra") is not None:
@@ -100,7 +141,8 @@ def main() -> None:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
               kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
               block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
-              kv_transfer_config=transfer)
+              kv_transfer_config=transfer, enable_lora=bool(spec.get("lora_rank")),
+              max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")))
     prompts, results = spec.get("prompts", {}), []
     for step in spec["steps"]:
         if step["op"] == "reset":
@@ -109,18 +151,33 @@ def main() -> None:
         if step["op"] == "kill":
             os.kill(step["pid"], signal.SIGKILL)
             continue
-        prompt = TokensPrompt(prompt_token_ids=prompts.get(step["prompt"]) if isinstance(step["prompt"], str)
-                              else step["prompt"])
+        prompt = _prompt(llm, step, prompts)
         if step.get("salt"):
             prompt["cache_salt"] = step["salt"]
-        sampling = SamplingParams(max_tokens=step.get("max_tokens", 1), temperature=0, logprobs=step.get("logprobs"))
+        sampling = SamplingParams(max_tokens=step.get("max_tokens", 1), temperature=0, logprobs=step.get("logprobs"),
+                                  prompt_logprobs=step.get("prompt_logprobs"))
+        lora = LoRARequest(*step["lora"]) if step.get("lora") else None
         started = time.perf_counter()
-        out = llm.generate([prompt], sampling, use_tqdm=False)[0]
+        out = llm.generate([prompt], sampling, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - started
         logprobs = [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs or []]
         results.append({"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
                         "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
     print(MARK + json.dumps(results), flush=True)
+
+
+def _prompt(llm, step: dict, prompts: dict):
+    """Token ids (given, or named), or seeded random prompt embeddings."""
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
+
+    if "embeds_seed" not in step:
+        tokens = step["prompt"]
+        return TokensPrompt(prompt_token_ids=prompts.get(tokens) if isinstance(tokens, str) else tokens)
+    import torch
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    g = torch.Generator().manual_seed(step["embeds_seed"])
+    return EmbedsPrompt(prompt_embeds=torch.randn(step["embeds_len"], hidden, generator=g).to(torch.bfloat16))
 
 
 if __name__ == "__main__":

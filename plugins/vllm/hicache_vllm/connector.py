@@ -20,6 +20,8 @@ from hicache_async.topology import RankCoords
 
 from . import settings as config
 from .kv_layout import ordered_layers, version_family, worker_layout
+from .model_identity import model_identity, refuse_unkeyable
+from .prom import HiCachePromMetrics
 from .scheduler import SchedulerSide
 from .stats import Deltas, HiCacheStats
 from .worker import WorkerSide
@@ -34,13 +36,15 @@ class HiCacheConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         if getattr(parallel, "decode_context_parallel_size", 1) > 1:
             raise UsageError("HiCacheConnector: decode context parallel is not supported yet")
+        refuse_unkeyable(vllm_config)
+        self.model_id = model_identity(vllm_config, self.settings.model_id)
         self.page_size = vllm_config.cache_config.block_size
         self._deltas = Deltas()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-            self.scheduler = SchedulerSide(self.settings, self.page_size, workers)
+            self.scheduler = SchedulerSide(self.settings, self.page_size, workers, self.model_id)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -56,7 +60,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         layout = worker_layout(
             kv_caches, num_blocks=self._kv_cache_config.num_blocks, block_size=self.page_size, coords=coords,
             total_layers=model.get_total_num_hidden_layers(), total_kv_heads=model.get_total_num_kv_heads(),
-            mla=model.use_mla, model_id=self.settings.model_id or model.model,
+            mla=model.use_mla, model_id=self.model_id,
             engine=f"{version_family(vllm.__version__)}|{_backend(cfg, names[0])}"
                    f"|cache_dtype={cfg.cache_config.cache_dtype}|layout={self._kv_cache_config.kv_cache_layout}")
         self._layer_of = {name: i for i, name in enumerate(names)}
@@ -69,6 +73,16 @@ class HiCacheConnector(KVConnectorBase_V1):
         layer = self._layer_of.get(layer_name)
         if layer is not None:
             self.worker.wait_layer(layer)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks a load could not fill from a trustworthy slot: vLLM recomputes them."""
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads run layer by layer beside attention (`wait_for_layer_load`); a full CUDA graph
+        would replay attention without them."""
+        return True
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         """Saves run once per step, after the forward pass (`wait_for_save`): a block's bytes
@@ -87,6 +101,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
         return HiCacheStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """Our metrics on vLLM's `/metrics`, built in its front end (`prom.py`)."""
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -57,6 +57,17 @@ class HostIndex:
         """Slots that hold no page (a prefetch that fetched fewer pages)."""
         self.free.release(slots)
 
+    def forget_slots(self, slots: set[int]) -> list[str]:
+        """Forget the pages in `slots` (not pinned ones) and free the slots; the pages forgotten."""
+        if not slots:
+            return []
+        gone = [h for h, s in self.slot_of.items() if s in slots and not self.pins[s]]
+        for h in gone:
+            self.free.release([self.slot_of.pop(h)])
+            self.tenant_of.pop(h, None)
+            self.from_l3.discard(h)
+        return gone
+
     def pin(self, slots: list[int], by: int = 1) -> None:
         for s in slots:
             self.pins[s] += by

@@ -32,6 +32,7 @@ class Job:
     tenant: bytes
     slots: list[int] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)    # vLLM's, for the job's span
+    slots_left: bool = False     # a backup's slots left the tier when it was issued (write_back)
 
 
 @dataclass
@@ -59,13 +60,15 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass
 class JobReports(KVConnectorWorkerMetadata):
-    """Per finished job: (workers that reported it, fewest pages verified or stored)."""
+    """Per finished job: (workers that reported it, fewest pages verified or stored); and the
+    host slots a worker left stale (their pages must not be loaded)."""
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
+    stale: set[int] = field(default_factory=set)     # host slots some worker could not rewrite
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
         merged = dict(self.done)
         for job, (reports, pages) in other.done.items():
             seen, least = merged.get(job, (0, pages))
             merged[job] = (seen + reports, min(least, pages))
-        return JobReports(merged)
+        return JobReports(merged, self.stale | other.stale)

@@ -1,22 +1,28 @@
 """The scheduler side: decides, per request and per step, what the workers move.
 
-A prompt's pages are named by our chained page hash over its token ids and `cache_salt`, so a
-new process, or another engine over the same L3, names them alike. A request whose prefix
+A prompt's pages are named by our chained page hash over its token ids and everything else
+that decides their KV (`request_keys.py`), so a new process, or another engine over the same
+L3, names them alike, and a request with another adapter or other embeddings names them apart. A request whose prefix
 runs on past vLLM's own cache and our host tier waits one step while the workers read the
 rest from L3 into host slots, each object verified; the hit vLLM then loads is only what every
 worker verified, so a missing, corrupt, forged or stale object shortens the hit and never
-becomes KV. Host-tier hits load synchronously, layer by layer, beside the forward pass.
+becomes KV; a read that outlasts `storage_timeout` is not waited for (the prefix is
+recomputed). Host-tier hits load synchronously, layer by layer, beside the forward pass.
+A slot a backup reads stays pinned until every worker reported the backup, so a save never
+waits for L3; a page is not backed up twice at once.
 """
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from hicache_async.keys import page_hashes, tenant_digest
+from hicache_async.keys import tenant_digest
 
 from .host_index import HostIndex
 from .plan import Commit, Job, JobReports, Move, StepPlan
+from .request_keys import RequestKeys, reads_external
 from .settings import Settings
 from .tier_events import TierEvents
 
@@ -29,6 +35,7 @@ class RequestPages:
 
     request: object                      # vLLM's Request, live
     hashes: list[str] = field(default_factory=list)
+    keyed: bool = True                   # False: something decides its KV that we cannot name
     looked_in_l3: bool = False
     job: int | None = None               # the prefetch it waits for
     load: tuple[int, list[int]] | None = None   # (first page, slots) to load
@@ -36,27 +43,20 @@ class RequestPages:
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
 
-    def extend(self, page_size: int) -> None:
-        """Hashes for every full page of the request's tokens so far."""
-        tokens = self.request.all_token_ids
-        have = len(self.hashes)
-        if (len(tokens) // page_size) > have:
-            prior = self.hashes[-1] if self.hashes else None
-            salt = None if prior else self.request.cache_salt
-            self.hashes += page_hashes(tokens[have * page_size:], page_size, prior, salt=salt)
-
 
 class SchedulerSide:
-    def __init__(self, settings: Settings, page_size: int, workers: int) -> None:
-        self.settings, self.page_size, self.workers = settings, page_size, workers
+    def __init__(self, settings: Settings, page_size: int, workers: int, model_id: str = "") -> None:
+        self.settings, self.page_size, self.workers, self.model_id = settings, page_size, workers, model_id
         self.index = HostIndex(settings.host_pages)
+        self.keys = RequestKeys(page_size)
         self.l3 = settings.storage != "none"
         self.requests: dict[str, RequestPages] = {}
         self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
-        self.jobs: dict[int, tuple[Job, str]] = {}      # unfinished, with their kind
+        self.jobs: dict[int, tuple[Job, str, float]] = {}   # unfinished, with their kind and start
+        self.backing_up: set[str] = set()               # pages of unfinished backups
         self.reports = JobReports()                     # of jobs not every worker has reported yet
         self.stored_l3: OrderedDict[str, None] = OrderedDict()   # pages known to be in L3, the latest
-        self.uses: OrderedDict[str, int] = OrderedDict()         # host hits per page (selective write-through)
+        self.uses: OrderedDict[str, int] = OrderedDict()         # uses per page (selective write-through)
         self.plan = StepPlan()
         self.events = TierEvents(page_size)
         self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
@@ -68,9 +68,15 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if st is None:
             st = self.requests[request.request_id] = RequestPages(request)
-        st.extend(self.page_size)
+            self._extend(st)
+            self._use(st, range(min(num_computed_tokens // self.page_size, len(st.hashes))))  # device hits
         if st.job is not None:
-            return None, False              # its L3 read is still under way
+            if not self._overdue(st.job):
+                return None, False          # its L3 read is still under way
+            st.job = None                   # not worth waiting for: recompute
+        if not st.keyed or not reads_external(request):
+            st.looked_in_l3 = True
+            return 0, False
         stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size)
         start = num_computed_tokens // self.page_size
         run = self.index.run(st.hashes, start, stop) if start < stop else 0
@@ -99,8 +105,7 @@ class SchedulerSide:
         self.counts["host_hit_tokens"] += len(slots) * self.page_size
         self.counts["l3_hit_tokens"] += from_l3 * self.page_size
         self.index.from_l3.difference_update(pages)    # used once: a later use is a host hit
-        if self.settings.write_policy == "write_through_selective":
-            self._use_again(st, pages, slots)
+        self._use(st, range(first, first + len(slots)))
 
     def build(self, scheduled: dict[str, int], block_ids) -> StepPlan:
         """This step's plan: what was decided since the last one (commits, prefetches), the
@@ -126,13 +131,16 @@ class SchedulerSide:
             return {}
         if self.loading.pop(request.request_id, None) is not None:
             self.index.pin(st.load[1], -1)
-        return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3}}
+        return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3,
+                            "model": self.model_id}}
 
     def reported(self, reports: JobReports | None) -> None:
-        """Fold the workers' job reports in; a job every worker reported is done."""
+        """Fold the workers' job reports in; a job every worker reported is done. Pages in
+        slots a worker left stale are forgotten: no load may read them."""
         if reports is None:
             return
-        self.reports = self.reports.aggregate(reports)
+        self.events.removed(self.index.forget_slots(reports.stale), "CPU")
+        self.reports = self.reports.aggregate(JobReports(reports.done))
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
 
@@ -142,7 +150,7 @@ class SchedulerSide:
              req_ids: list[str] = ()) -> Job:
         """A job for the workers; a prefetch's requests wait for it."""
         job = Job(next(self._ids), hashes, tenant, list(slots), list(req_ids))
-        self.jobs[job.job] = (job, kind)
+        self.jobs[job.job] = (job, kind, time.monotonic())
         plan_list.append(job)
         return job
 
@@ -151,24 +159,41 @@ class SchedulerSide:
                            req_ids=[st.request.request_id]).job
         self.counts["l3_looked_pages"] += len(hashes)
 
-    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = ()) -> None:
-        """Back up (hash, slot, tenant) pages that L3 is not known to hold, one job a tenant."""
-        todo = [p for p in pages if p[0] not in self.stored_l3]
+    def _overdue(self, job_id: int) -> bool:
+        """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
+        worker that never answers, costs a recompute, not a request parked for ever."""
+        started = self.jobs.get(job_id, (None, None, 0.0))[2]
+        return time.monotonic() - started > self.settings.storage_timeout
+
+    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = (),
+                pinned: bool = True) -> None:
+        """Back up (hash, slot, tenant) pages that L3 is not known to hold and no backup is
+        storing already, one job a tenant. Their slots stay pinned (never reused) till every
+        worker reported the job, unless they already left the tier (`pinned` False)."""
+        todo = [p for p in dict((p[0], p) for p in pages).values()
+                if p[0] not in self.stored_l3 and p[0] not in self.backing_up]
         for tenant in dict.fromkeys(t for _, _, t in todo):
             mine = [(h, s) for h, s, t in todo if t == tenant]
-            self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine], req_ids=req_ids)
+            job = self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine], req_ids=req_ids)
+            self.backing_up.update(job.hashes)
+            if pinned:
+                self.index.pin(job.slots)
+            else:
+                job.slots_left = True
 
     def _take(self, plan: StepPlan, n: int) -> list[int]:
         """`n` host slots at most; under write_back, the pages that leave go to L3 first."""
         slots, evicted = self.index.take(n)
         self.events.removed([h for h, _, _ in evicted], "CPU")
         if self.l3 and evicted and self.settings.write_policy == "write_back":
-            self._backup(plan.evictions, evicted)
+            self._backup(plan.evictions, evicted, pinned=False)
         return slots
 
     def _save(self, plan: StepPlan, st: RequestPages, computed: int, block_ids) -> None:
         """Host slots for the request's pages that this step completes, not yet in the tier."""
-        st.extend(self.page_size)
+        self._extend(st)
+        if not st.keyed:
+            return
         full = min(computed // self.page_size, len(st.hashes))
         todo = [p for p in range(st.saved, full) if st.hashes[p] not in self.index.slot_of]
         st.saved = max(st.saved, full)
@@ -187,22 +212,39 @@ class SchedulerSide:
         self.events.stored(st.request, todo, st.hashes, "CPU")
         if self.l3 and self.settings.write_policy == "write_through":
             self._backup(plan.backups, pages, [st.request.request_id])
+        self._use(st, todo)
 
-    def _use_again(self, st: RequestPages, pages: list[str], slots: list[int]) -> None:
-        """write_through_selective: a page goes to L3 on its second use."""
-        tenant = tenant_digest(st.request.cache_salt)
-        again = [(h, s, tenant) for h, s in zip(pages, slots) if self.uses.get(h, 0) >= 1]
-        for h in pages:
+    def _extend(self, st: RequestPages) -> None:
+        """Hashes for every full page of the request's tokens so far."""
+        st.keyed = st.keyed and self.keys.extend(st.request, st.hashes)
+
+    def _use(self, st: RequestPages, pages) -> None:
+        """Count a use of the request's `pages` (indices): computed, or reused from vLLM's
+        device cache or our host tier. write_through_selective backs a page up on its second
+        use, from its host slot, if it still has one."""
+        if self.settings.write_policy != "write_through_selective":
+            return
+        again = []
+        for h in (st.hashes[p] for p in pages):
             self.uses[h] = self.uses.pop(h, 0) + 1
+            if self.uses[h] >= 2 and h in self.index.slot_of:
+                again.append(h)
         _forget_oldest(self.uses)
         if self.l3 and again:
-            self._backup(self.plan.backups, again, [st.request.request_id])
+            tenant = tenant_digest(st.request.cache_salt)
+            self._backup(self.plan.backups, [(h, self.index.slot_of[h], tenant) for h in again],
+                         [st.request.request_id])
 
     def _done(self, job_id: int, pages: int) -> None:
-        job, kind = self.jobs.pop(job_id)
+        job, kind, _ = self.jobs.pop(job_id)
         self.stored_l3.update(dict.fromkeys(job.hashes[:pages]))
+        for h in job.hashes[pages:]:    # missing or failed verification (and removed): store it again
+            self.stored_l3.pop(h, None)
         _forget_oldest(self.stored_l3)
         if kind == "backup":
+            self.backing_up.difference_update(job.hashes)
+            if not job.slots_left:
+                self.index.pin(job.slots, -1)
             self.events.stored_hashes(job.hashes[:pages], "STORAGE")
             return
         fresh = [i for i in range(pages) if job.hashes[i] not in self.index.slot_of]

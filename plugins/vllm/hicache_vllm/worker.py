@@ -6,20 +6,20 @@ background on an anyio event loop of the worker's own (a blocking portal), its s
 on worker threads under one capacity limiter per kind; each finished job is reported once.
 A prefetch reads into landing pages of its own, never into host slots: an L3 call given up
 on may still write into its pages, and those stay out of use until it returns, so late bytes
-never reach a page vLLM reads. A slot a backup still reads is not written until it is done.
+never reach a page vLLM reads. A slot a backup still reads is not written until it is done
+(`SlotReaders`); loads only read slots, so they never wait for backups.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import anyio
 import anyio.from_thread
 import structlog
+import torch
 
 from hicache_async.errors import StorageError
 from hicache_async.kinds import TransferKind
@@ -30,12 +30,14 @@ from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.l3_session import l3_session
 
+from . import shutdown
 from .layer_copies import LayerCopies
-from .plan import Commit, Job, JobReports, StepPlan
+from .plan import Commit, Job, JobReports, Move, StepPlan
 from .settings import Settings
+from .slot_readers import SlotReaders
+from .stats import OBSERVED
 
 log = structlog.get_logger(__name__)
-FENCE_S = 60.0      # longest a copy waits for a backup reading its slot (each call has its own deadline)
 IDLE_WAIT_S = 0.05  # longest an engine step with no forward pass waits for a prefetch
 
 
@@ -52,7 +54,8 @@ class WorkerSide:
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         self._limiters = {kind: self._portal.call(anyio.CapacityLimiter, 2) for kind in ("backup", "prefetch")}
         self._lock = threading.Lock()
-        self._reading: dict[int, Future] = {}          # host slot -> the backup reading it
+        self.readers = SlotReaders()
+        self._load_errors: set[int] = set()             # vLLM blocks a load could not fill
         self._landed: dict[int, list[int]] = {}        # finished prefetch -> its landing pages
         self._finished: dict[int, int] = {}            # job -> pages, not yet reported
         self._running: set[Future] = set()
@@ -60,6 +63,9 @@ class WorkerSide:
         self._load_span = None
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
+        if self.store is not None:      # each L3 read and write timed, for the stats (stats.py, shutdown.py)
+            self.store.adapter = OBSERVED.timed(self.store.adapter, self.readers.busy)
+            shutdown.on_signals(settings.flush_timeout)
 
     def _open_store(self, coords: RankCoords):
         s = self.settings
@@ -82,11 +88,24 @@ class WorkerSide:
             self._background("backup", job)
         for commit in plan.commits:
             self._commit(commit)
-        for move in plan.loads:
-            self._fence(move.slots)
-        self._load_span = self._moves_span(TransferKind.LOAD, plan.loads)
-        self.copies.load(plan.loads)
-        self._count(host_loaded_pages=_pages(plan.loads))
+        loads = [self._loadable(move) for move in plan.loads]
+        self._load_span = self._moves_span(TransferKind.LOAD, loads)
+        self.copies.load(loads)
+        self._count(host_loaded_pages=_pages(loads))
+
+    def _loadable(self, move: Move) -> Move:
+        """The move without its stale slots, whose blocks become load errors: vLLM
+        recomputes them rather than read another page's bytes."""
+        stale = self.readers.stale
+        if not stale.intersection(move.slots):
+            return move
+        keep = [(s, b) for s, b in zip(move.slots, move.blocks) if s not in stale]
+        self._load_errors.update(b for s, b in zip(move.slots, move.blocks) if s in stale)
+        return Move(move.req_id, [s for s, _ in keep], [b for _, b in keep])
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def wait_layer(self, layer: int) -> None:
         self.copies.wait_layer(layer)
@@ -97,13 +116,14 @@ class WorkerSide:
         if self._load_span is not None:
             spans.finish_transfer(self._load_span)
             self._load_span = None
-        for move in plan.saves:
-            self._fence(move.slots)
-        span = self._moves_span(TransferKind.WRITE, plan.saves)
-        self.copies.save(plan.saves)
+        saves = [self._writable(move) for move in plan.saves]
+        span = self._moves_span(TransferKind.WRITE, saves)
+        self.copies.save(saves)
+        for move in saves:
+            self.readers.written(move.slots)
         if span is not None:
             spans.finish_transfer(span)
-        self._count(host_saved_pages=_pages(plan.saves))
+        self._count(host_saved_pages=_pages(saves))
         for job in plan.backups:
             self._background("backup", job)
         for job in plan.prefetches:
@@ -118,6 +138,15 @@ class WorkerSide:
         self._prefetching = {f for f in self._prefetching if f is not None and not f.done()}
         if self._prefetching:
             wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def _writable(self, move: Move) -> Move:
+        """The move without the slots whose readers outlast the deadline (now stale)."""
+        ok = self.readers.writable(move.slots, self.settings.storage_timeout)
+        if all(ok):
+            return move
+        log.warning("hicache: host slots still read by a backup past the deadline; their pages are dropped",
+                    slots=[s for s, fine in zip(move.slots, ok) if not fine])
+        return Move(move.req_id, [s for s, f in zip(move.slots, ok) if f], [b for b, f in zip(move.blocks, ok) if f])
 
     def _moves_span(self, kind: TransferKind, moves: list):
         """The span of a step's loads or saves; None when there are none."""
@@ -146,9 +175,13 @@ class WorkerSide:
         return totals
 
     def reports(self) -> JobReports | None:
+        """Finished jobs, and the slots that turned stale (the scheduler forgets their pages)."""
         with self._lock:
             done, self._finished = self._finished, {}
-        return JobReports({job: (1, pages) for job, pages in done.items()}) if done else None
+        stale = set(self.readers.stale)
+        if not done and not stale:
+            return None
+        return JobReports({job: (1, pages) for job, pages in done.items()}, stale)
 
     # -- L3 --------------------------------------------------------------------------------
 
@@ -162,9 +195,7 @@ class WorkerSide:
         self._running.add(future)
         future.add_done_callback(self._running.discard)
         if kind == "backup":
-            with self._lock:
-                for slot in job.slots:
-                    self._reading[slot] = future
+            self.readers.add(job.slots, future)
         return future
 
     async def _in_thread(self, kind: str, run, job: Job) -> None:
@@ -208,21 +239,14 @@ class WorkerSide:
     def _commit(self, commit: Commit) -> None:
         with self._lock:
             pages = self._landed.pop(commit.job, [])
-        self._fence(commit.slots)
-        for i, slot in zip(commit.pages, commit.slots):
-            self.host.tensor[slot].copy_(self.landing.tensor[pages[i]])
+        ok = self.readers.writable(commit.slots, self.settings.storage_timeout)
+        moves = [(slot, pages[i]) for i, slot, fine in zip(commit.pages, commit.slots, ok) if fine]
+        if moves:
+            slots, landed = (torch.tensor(x, dtype=torch.long) for x in zip(*moves))
+            self.host.tensor[slots] = self.landing.tensor[landed]
+            self.readers.written([s for s, _ in moves])
         with self._lock:
             self.landing.alloc.release(pages)
-
-    def _fence(self, slots: list[int]) -> None:
-        """Wait for backups still reading any of `slots`, before they are written."""
-        with self._lock:
-            pending = {self._reading.pop(s) for s in slots if s in self._reading}
-        for future in pending:
-            try:
-                future.result(timeout=FENCE_S)
-            except FutureTimeout:
-                raise StorageError(f"a backup has read host slots for over {FENCE_S:.0f} s") from None
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -230,16 +254,7 @@ class WorkerSide:
         """Flush: wait, bounded, for the L3 work already issued, so a request's KV is in L3
         when the engine exits; then close the store. Once: later calls do nothing."""
         atexit.unregister(self.close)
-        deadline = time.monotonic() + self.settings.flush_timeout
-        for future in list(self._running):
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                log.warning("hicache shutdown: L3 work still running after the flush timeout",
-                            seconds=self.settings.flush_timeout)
-                break
-            except Exception:   # noqa: BLE001 - already logged by the job
-                pass
+        shutdown.flush(self._running, self.settings.flush_timeout)
         self._stack.close()
 
 

@@ -1,6 +1,7 @@
 """The scheduler side's decisions, one class under test with a stand-in for vLLM's Request."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from hicache_vllm.plan import JobReports
@@ -78,7 +79,7 @@ def test_a_prefetch_commits_only_what_every_worker_verified():
     s.allocated(req, 12)
     (load,) = computed(s, req, 5).loads
     assert load.slots == commit.slots and load.blocks == [100, 101, 102]
-    assert s.finished(req) == {"hicache": {"host_tokens": 0, "l3_tokens": 12}}
+    assert s.finished(req) == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": ""}}
 
 
 def test_a_load_holds_its_slots_until_a_plan_carries_it():
@@ -131,3 +132,97 @@ def test_stats_are_each_intervals_sums_added_across_workers():
     assert deltas.take({"l3_read_pages": 3, "l3_corrupt_objects": 1}) is None      # nothing new
     other = Deltas().take({"l3_read_pages": 2})
     assert first.aggregate(other).reduce() == {"l3_read_pages": 5, "l3_corrupt_objects": 1}
+
+
+def selective() -> SchedulerSide:
+    s = side(write_policy="write_through_selective", storage="none")
+    s.l3 = True
+    return s
+
+
+def test_selective_write_through_counts_device_cache_hits_as_uses():
+    """Computed once, then reused from vLLM's own cache: the second use backs it up; a third
+    use while that backup runs issues no other, and a stored page is not backed up again."""
+    s = selective()
+    a = Req("a", list(range(9)))
+    s.requests["a"] = RequestPages(a, looked_in_l3=True)
+    assert not computed(s, a, 9).backups
+    assert s.matched(Req("b", list(range(9))), 8) == (0, False)        # 8 tokens from vLLM's device cache
+    (backup,) = s.build({}, blocks).backups
+    assert backup.hashes == s.requests["a"].hashes
+    s.matched(Req("c", list(range(9))), 8)
+    assert not s.build({}, blocks).backups                             # its backup is under way
+    s.reported(JobReports({backup.job: (1, 2)}))
+    s.matched(Req("d", list(range(9))), 8)
+    assert not s.build({}, blocks).backups                             # already in L3
+
+
+def test_a_backup_pins_its_slots_until_every_worker_reported_it():
+    """A save never waits for L3: it takes no slot a backup still reads, and skips the tier
+    when only such slots are left."""
+    s = side(host_pages=2, storage="none")
+    s.l3 = True
+    a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
+    for req in (a, b):
+        s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
+    (backup,) = computed(s, a, 9).backups
+    assert not computed(s, b, 9).saves
+    s.reported(JobReports({backup.job: (1, 2)}))
+    b.num_computed_tokens = 0
+    s.requests["b"] = RequestPages(b, looked_in_l3=True)
+    assert sorted(computed(s, b, 9).saves[0].slots) == sorted(backup.slots)
+
+
+def test_a_prefetch_no_worker_reports_is_given_up_after_storage_timeout():
+    s = side(storage_timeout=0.05)
+    req = Req("a", list(range(13)))
+    assert s.matched(req, 0) == (None, False)
+    time.sleep(0.1)
+    assert s.matched(req, 0) == (0, False)                             # recomputed, not parked
+
+
+def test_pages_in_stale_slots_are_forgotten():
+    s = side(storage="none")
+    a = Req("a", list(range(9)))
+    s.matched(a, 0)
+    (save,) = computed(s, a, 9).saves
+    s.reported(JobReports({}, {save.slots[1]}))
+    assert s.matched(Req("b", list(range(9))), 0) == (4, False)         # page 0 only
+
+
+def test_a_page_that_failed_its_prefetch_is_backed_up_again():
+    s = side(host_pages=3)
+    a = Req("a", list(range(13)))
+    s.matched(a, 0)
+    (probe,) = s.build({}, blocks).prefetches
+    s.reported(JobReports({probe.job: (1, 0)}))
+    s.matched(a, 0)
+    (backup,) = computed(s, a, 13).backups
+    s.reported(JobReports({backup.job: (1, 3)}))                        # all three in L3
+    c = Req("c", list(range(50, 63)))
+    s.requests["c"] = RequestPages(c, looked_in_l3=True)
+    (c_backup,) = computed(s, c, 13).backups                            # a's pages leave the host tier
+    s.reported(JobReports({c_backup.job: (1, 3)}))
+    b = Req("b", list(range(13)))
+    assert s.matched(b, 0) == (None, False)
+    (fetch,) = s.build({}, blocks).prefetches
+    s.reported(JobReports({fetch.job: (1, 1)}))                         # page 1 failed verification
+    assert s.matched(b, 0) == (4, False)
+    s.allocated(b, 4)
+    s.build({"b": 1}, blocks)
+    b.num_computed_tokens = 4
+    (again,) = computed(s, b, 9).backups
+    assert again.hashes == s.requests["b"].hashes[1:3]
+
+
+def test_prompt_logprobs_and_skip_reading_get_no_external_hit():
+    s = side(storage="none")
+    a = Req("a", list(range(9)))
+    s.matched(a, 0)
+    computed(s, a, 9)
+    scored = Req("b", list(range(9)))
+    scored.sampling_params = type("P", (), {"prompt_logprobs": 1})()
+    skipping = Req("c", list(range(9)))
+    skipping.skip_reading_prefix_cache = True
+    assert s.matched(scored, 0) == (0, False) and s.matched(skipping, 0) == (0, False)
+    assert s.matched(Req("d", list(range(9))), 0) == (8, False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 import torch
-from hicache_vllm.plan import Commit, Job
+from hicache_vllm.plan import Commit, Job, Move, StepPlan
 from hicache_vllm.settings import Settings
 from hicache_vllm.worker import WorkerSide
 
@@ -14,7 +14,7 @@ from hicache_async.layout import KVLayout
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.l3_session import guarded_store
 from hicache_async.transfer.objects import NO_TENANT
-from tests.helpers.slow_backend import SlowZeroCopy
+from tests.helpers.slow_backend import SlowWrites, SlowZeroCopy
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.bfloat16,
                   axes=("head", "token", "dim"))
@@ -57,4 +57,40 @@ def test_a_read_given_up_on_keeps_its_landing_pages_until_it_returns():
         time.sleep(0.05)
     time.sleep(0.1)
     assert slow.late_reads == 1 and w.landing.alloc.free == 8   # it wrote them late, then let go
+    w.close()
+
+
+def test_a_slot_is_rewritten_only_after_every_backup_reading_it():
+    """Two backups read slot 0 (the first one slowly, slot 0 last); a save into slot 0 waits
+    for both, so L3 holds each page's own bytes. With one backup remembered a slot, the
+    save waits for the second only, and the first stores the new page under the old key."""
+    kv = [torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    w = WorkerSide(Settings(storage="none", host_pages=8, storage_timeout=10.0), LAYOUT, RankCoords(), kv)
+    w.store = guarded_store(SlowWrites(slow_write_s=0.1), "slow", LAYOUT, RankCoords(),
+                            CacheConfig(storage_timeout_s=10.0))
+    w.host.tensor[:] = torch.randn(*w.host.tensor.shape).to(torch.bfloat16)
+    before = w.host.tensor.clone()
+    hashes = page_hashes(range(24), 4)
+    w.finish(StepPlan(backups=[Job(0, hashes[:5], NO_TENANT, slots=[4, 5, 6, 7, 0]),
+                               Job(1, hashes[5:], NO_TENANT, slots=[0])]))
+    kv[0][3], kv[1][3] = torch.ones(2, 4, 16), torch.ones(2, 4, 16)
+    w.finish(StepPlan(saves=[Move("r", [0], [3])]))              # a new page into slot 0
+    assert torch.equal(w.host.tensor[0, 0], kv[0][3])
+    w.close()                                                     # every backup done
+    assert w._prefetch(Job(2, hashes[:5], NO_TENANT)) == 5
+    landed = w._landed.pop(2)
+    assert torch.equal(w.landing.tensor[landed], before[[4, 5, 6, 7, 0]])
+
+
+def test_a_slot_whose_reader_outlasts_the_deadline_turns_stale_and_its_loads_are_errors():
+    kv = [torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    w = WorkerSide(Settings(storage="none", host_pages=8, storage_timeout=0.05), LAYOUT, RankCoords(), kv)
+    w.store = guarded_store(SlowWrites(slow_write_s=1.0), "slow", LAYOUT, RankCoords(),
+                            CacheConfig(storage_timeout_s=5.0))
+    w.finish(StepPlan(backups=[Job(0, page_hashes(range(4), 4), NO_TENANT, slots=[2])]))
+    w.finish(StepPlan(saves=[Move("r", [2, 3], [5, 6])]))
+    assert w.readers.stale == {2} and w.reports().stale == {2}
+    w.start(StepPlan(loads=[Move("s", [2, 3], [0, 1])]))
+    assert w.load_errors() == {0}
+    w.finish(StepPlan())
     w.close()

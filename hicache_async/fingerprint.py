@@ -1,0 +1,76 @@
+"""Fingerprints of what decides KV bytes beyond the tokens: a model checkpoint, an adapter.
+
+A name or a path is not content: a fine-tune saved over the last one keeps both, and its KV
+differs. So a checkpoint is named by its files: every file's name and size, a digest of every
+small file (configs, tokenizer), and a digest of sampled bytes of every weight file (its head,
+its tail and evenly spaced blocks between), which reads a few MiB however large the weights
+are. An adapter is small, so it is named by a digest of all of its bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import UsageError
+
+SMALL_FILE = 1 << 20        # files up to this size are digested whole
+SAMPLE = 64 << 10           # bytes read at each sampled place of a larger file
+SAMPLES = 16                # sampled places of a larger file, head and tail included
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt", ".py", ".tiktoken")
+
+
+def checkpoint_fingerprint(path: str | os.PathLike, settings: dict | None = None) -> str:
+    """16 hex digits naming a checkpoint folder (or file) and the `settings` that change what
+    it computes (quantization, overrides, RoPE scaling, revision, KV-cache dtype); a bad path
+    is a UsageError naming it."""
+    root = Path(path)
+    if not root.exists():
+        raise UsageError(f"model {str(path)!r} is not a local checkpoint: its weights cannot be fingerprinted")
+    files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root])
+                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and ".cache" not in p.parts)
+    if not files:
+        raise UsageError(f"model {str(path)!r} holds no weight or config files to fingerprint")
+    h = hashlib.sha256(b"hicache-async checkpoint v1\0")
+    for f in files:
+        st = f.stat()
+        rel = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        h.update(f"{rel}\0{st.st_size}\0".encode())
+        h.update(_file_digest(str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+    h.update(json.dumps(settings or {}, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def adapter_fingerprint(path: str | os.PathLike) -> str:
+    """16 hex digits naming an adapter folder by all of its bytes; None-free: a missing path
+    is a UsageError naming it."""
+    root = Path(path)
+    if not root.exists():
+        raise UsageError(f"adapter {str(path)!r} is not a local folder: its weights cannot be fingerprinted")
+    h = hashlib.sha256(b"hicache-async adapter v1\0")
+    for f in sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(root).as_posix() if root.is_dir() else f.name}\0{st.st_size}\0".encode())
+        h.update(_whole_digest(str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int, inode: int) -> bytes:
+    """Whole for a small file, sampled for a large one; cached while the file is unchanged."""
+    if size <= SMALL_FILE:
+        return _whole_digest(path, size, mtime_ns, inode)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for i in range(SAMPLES):
+            f.seek((size - SAMPLE) * i // (SAMPLES - 1))
+            h.update(f.read(SAMPLE))
+    return h.digest()
+
+
+@lru_cache(maxsize=4096)
+def _whole_digest(path: str, size: int, mtime_ns: int, inode: int) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()

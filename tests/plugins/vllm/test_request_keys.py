@@ -1,0 +1,86 @@
+"""In real vLLM, KV never crosses what decides it: LoRA adapters (host tier and L3 across
+processes), prompt embeddings, and new weights saved over the model folder. Each output is
+compared with the same request run without the connector."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hicache_async.app.bench.vllm_engine import write_llama, write_lora
+
+from .conftest import BLOCK, SHARED_PAGES
+from .engines import RESET, gen, run_engine, same_output
+
+HIT = 288                   # nine full blocks of a 300-token prompt
+LORA = {"lora_rank": 8}
+
+
+def embeds(seed: int) -> dict:
+    return {"op": "generate", "embeds_seed": seed, "embeds_len": 300, "max_tokens": 8, "logprobs": 3}
+
+
+@pytest.fixture(scope="module")
+def adapters(llama, tmp_path_factory) -> dict[str, list]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: [name, i + 1, str(write_lora(root / name, llama, seed=i + 1))] for i, name in enumerate("ab")}
+
+
+@pytest.fixture(scope="module")
+def cold_lora(llama, prompts, adapters) -> dict[str, dict]:
+    """Q under each adapter and under none, and two prompt embeddings, without the connector."""
+    q = prompts["q"]
+    out = run_engine(llama, [gen(q) | {"lora": adapters["a"]}, RESET, gen(q) | {"lora": adapters["b"]}, RESET,
+                             embeds(1), RESET, embeds(2)], prompt_embeds=True, **LORA)
+    return dict(zip(["a", "b", "e1", "e2"], out))
+
+
+def test_adapters_never_share_kv_and_each_gets_its_own_back(llama, prompts, cold, cold_lora, adapters, tmp_path):
+    """Base P, then Q (sharing P's first pages) under adapters a and b: no page crosses; Q
+    under a again comes from the host tier, and a new process gets b's and the base's own
+    pages from L3."""
+    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
+    p, q = prompts["p"], prompts["q"]
+    base, a, b, a_again = run_engine(llama, [gen(p), RESET, gen(q) | {"lora": adapters["a"]}, RESET,
+                                             gen(q) | {"lora": adapters["b"]}, RESET,
+                                             gen(q) | {"lora": adapters["a"]}], extra, **LORA)
+    assert same_output(base, cold["p"])
+    assert a["cached"] == 0 and same_output(a, cold_lora["a"])
+    assert b["cached"] == 0 and same_output(b, cold_lora["b"])
+    assert a_again["params"]["hicache"]["host_tokens"] == HIT and same_output(a_again, cold_lora["a"])
+    b_l3, base_q = run_engine(llama, [gen(q) | {"lora": adapters["b"]}, RESET, gen(q)], extra, **LORA)
+    assert b_l3["params"]["hicache"]["l3_tokens"] == HIT and same_output(b_l3, cold_lora["b"])
+    assert base_q["params"]["hicache"]["l3_tokens"] == SHARED_PAGES * BLOCK and same_output(base_q, cold["q"])
+
+
+def test_prompt_embeddings_key_their_pages(llama, cold_lora, tmp_path):
+    """Two prompts of one length and other embeddings (their placeholder token ids are all
+    equal) share nothing; the first one's own pages come back."""
+    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
+    e1, e2, again = run_engine(llama, [embeds(1), RESET, embeds(2), RESET, embeds(1)], extra, prompt_embeds=True)
+    assert same_output(e1, cold_lora["e1"])
+    assert e2["cached"] == 0 and same_output(e2, cold_lora["e2"])
+    assert again["params"]["hicache"]["host_tokens"] == HIT and same_output(again, cold_lora["e1"])
+
+
+def test_prompt_logprobs_take_nothing_from_our_tiers(llama, prompts, cold, tmp_path):
+    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
+    first, scored = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["p"]) | {"prompt_logprobs": 1}], extra)
+    assert scored["cached"] == 0 and scored["params"]["hicache"] == first["params"]["hicache"]
+    assert same_output(scored, cold["p"])
+
+
+def test_new_weights_in_the_same_folder_miss_l3(prompts, tmp_path):
+    """A fine-tune saved over the model folder: a new process gets nothing of the old KV."""
+    model = tmp_path / "model"
+    shape = dict(layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, intermediate=512, logit_scale=4.0)
+    write_llama(model, seed=0, **shape)
+    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
+    (old,) = run_engine(model, [gen(prompts["p"])], extra)
+    shutil.rmtree(model)
+    write_llama(model, seed=7, **shape)
+    (new,) = run_engine(model, [gen(prompts["p"])], extra)
+    (reference,) = run_engine(model, [gen(prompts["p"])])
+    assert old["params"]["hicache"]["model"] != new["params"]["hicache"]["model"]
+    assert new["cached"] == 0 and same_output(new, reference)
+    assert old["tokens"] != new["tokens"]
