@@ -19,7 +19,7 @@ from ..errors import StorageError, UsageError
 ENTRY_POINT_GROUP = "hicache_async.storage"
 DEFAULT_STORAGE = "file"  # embedded: needs no server, and L3 outlives the run
 MISSING = -1     # batch_get: the object is absent (or the read failed)
-WRONG_SIZE = -2  # batch_get: the object is present but its size differs from the buffer's
+WRONG_SIZE = -2  # batch_get: the object is present but larger than the buffer
 FORGED = -3      # batch_get: the object is present but fails authentication (a sealed store)
 
 _call = threading.local()
@@ -128,6 +128,15 @@ class StorageAdapter(ABC):
         Per object: bytes read, `MISSING`, or `WRONG_SIZE` when it does not fit the buffer.
         """
 
+    def batch_remove(self, keys: list[str]) -> None:
+        """Remove each key's object, if any, so that the next write of the key stores it afresh.
+
+        For a store that heals (see `transfer/page_store.py`): writes skip a key already held, so
+        an object that fails verification stays until removed. Absent keys are fine; an outage
+        raises StorageError. By default nothing is removed: such a store keeps its damaged
+        objects, which stay misses.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and memory; later calls are errors."""
@@ -154,7 +163,8 @@ class StorageAdapter(ABC):
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
         """Like batch_get, each object scattered over its parts in order.
 
-        An object that does not fill its parts exactly is `WRONG_SIZE`. `landed(start,
+        An object larger than its parts is `WRONG_SIZE`; one smaller reports the bytes it holds
+        (fewer than the parts'), leaving the parts' contents unspecified. `landed(start,
         results)`, when given, is called as each run of objects is in place (their results as
         batch_get would give them), so the caller can verify them while the bytes are still in
         cache and the rest are in flight. Runs arrive in order and cover the whole batch.
@@ -164,8 +174,6 @@ class StorageAdapter(ABC):
         got = self.batch_get(keys, staging)
         out = []
         for ps, buf, n, size in zip(parts, staging, got, sizes):
-            if n >= 0 and n != size:
-                n = WRONG_SIZE
             if call_abandoned():     # the caller has moved on: its buffers are not ours to fill
                 n = MISSING
             if n == size:

@@ -1,12 +1,17 @@
 """Embedded L3: one file per object under a directory that several processes may share.
 
-Writes go to a temp file that is renamed into place, so a reader sees a whole object or
-none. There is no fsync: a torn object after power loss fails its checksum and is a miss.
-Keys are content-addressed, so an object already stored is not written again. The store is
-private by default: directories it creates are 0700 and objects 0600. Recency is the
-file's mtime (bumped by a read when older than TOUCH_S), so eviction is least-recently-used
-across every process sharing the directory, not just this one. Each object is one `writev`
-or `readv` of all its parts, straight from and into the caller's buffers.
+Writes go to a temp file in the object's own directory, named with a leading dot (object
+names never start with one), that is renamed into place: a reader sees a whole object or
+none, and a temp file a crash left behind is never read, never counted against capacity,
+and removed by the next store to open the directory once it is an hour old. There is no
+fsync: an object torn by power loss fails verification, a miss, which the page store heals
+where it can tell the object is its own (`batch_remove`, then a fresh write). Keys are
+content-addressed, so an object already stored is not written again. The store is private
+by default: directories it creates are 0700 and objects 0600. Eviction goes by mtime, the
+time an object was written: a read changes nothing on disk, so reads cost no metadata write
+and leave no trace of which prefixes were served, and the least recently written objects go
+first, across every process sharing the directory. Each object is one `writev` or `readv`
+of all its parts, straight from and into the caller's buffers.
 """
 from __future__ import annotations
 
@@ -29,7 +34,6 @@ _ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_NAME = 200
 _LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
 _STALE_TEMP_S = 3600
-TOUCH_S = 1.0          # a read bumps an object's mtime only when it is older than this
 DEFAULT_CAPACITY = 8 << 30
 
 
@@ -96,7 +100,7 @@ class FileStorage(StorageAdapter):
         return entries, sum(e[1] for e in entries)
 
     def _evict(self) -> None:
-        """Delete least-recently-used objects until usage is under the low watermark."""
+        """Delete the least recently written objects until usage is under the low watermark."""
         entries, used = self._scan()
         target = self.capacity_bytes * _LOW_WATERMARK
         for _, size, p in entries:
@@ -111,6 +115,19 @@ class FileStorage(StorageAdapter):
         while n < len(keys) and os.path.isfile(self._path(keys[n])):
             n += 1
         return n
+
+    def batch_remove(self, keys: list[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StorageError(f"file storage {self.root}: cannot remove {key}: {e.strerror}") from None
+            with self._lock:
+                self._used -= size
 
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[v] for v in values])
@@ -162,24 +179,24 @@ class FileStorage(StorageAdapter):
         return True
 
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
-        stale, views = time.time() - TOUCH_S, [memoryview(b).cast("B") for b in buffers]
-        return [self._read(key, self._path(key), [v], v.nbytes, False, stale) for key, v in zip(keys, views)]
+        views = [memoryview(b).cast("B") for b in buffers]
+        return [self._read(key, self._path(key), [v], v.nbytes, False) for key, v in zip(keys, views)]
 
     def batch_get_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
         # Names and sizes first: the loop that streams the bytes in (evicting all else from
         # cache) then runs as little Python per object as it can.
         paths, rooms = [self._path(key) for key in keys], [sum(p.nbytes for p in ps) for ps in parts]
-        out, stale = [], time.time() - TOUCH_S
+        out = []
         for i, (key, path, ps, room) in enumerate(zip(keys, paths, parts, rooms)):
-            out.append(self._read(key, path, ps, room, True, stale))
+            out.append(self._read(key, path, ps, room, True))
             if landed is not None:
                 landed(i, out[i:])
         return out
 
-    def _read(self, key: str, path: str, parts: Sequence[memoryview], room: int, exact: bool,
-              stale: float) -> int:
-        """One object in one `readv` straight into `parts`; touched when last used before `stale`."""
+    def _read(self, key: str, path: str, parts: Sequence[memoryview], room: int, exact: bool) -> int:
+        """One object in one `readv` straight into `parts`; with `exact`, one smaller than
+        `room` is reported by its size, unread."""
         if call_abandoned():      # the caller has moved on: its buffers are not ours to fill
             return MISSING
         try:
@@ -190,11 +207,11 @@ class FileStorage(StorageAdapter):
             raise StorageError(f"file storage {self.root}: cannot open {key}: {e.strerror}") from None
         try:
             st = os.fstat(fd)
-            if st.st_size > room or (exact and st.st_size != room):
+            if st.st_size > room:
                 return WRONG_SIZE
+            if exact and st.st_size < room:
+                return st.st_size
             got = os.readv(fd, parts)
-            if st.st_mtime < stale:
-                _touch(fd)
         except OSError as e:
             raise StorageError(f"file storage {self.root}: cannot read {key}: {e.strerror}") from None
         finally:
@@ -215,14 +232,6 @@ def _write_at(fd: int, parts: list[memoryview], offset: int) -> None:
             parts = parts[1:]
         if parts:
             parts[0] = parts[0][done:]
-
-
-def _touch(fd: int) -> None:
-    """Bump the object's mtime, its recency for LRU eviction, through the open descriptor."""
-    try:
-        os.utime(fd)
-    except OSError:
-        pass
 
 
 def _unlink(path) -> None:

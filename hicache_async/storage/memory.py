@@ -33,6 +33,12 @@ class MemoryStorage(StorageAdapter):
             self._objects.update(zip(keys, blobs))
         return [True] * len(keys)
 
+    def batch_remove(self, keys: list[str]) -> None:
+        self._check()
+        with self._lock:
+            for key in keys:
+                self._objects.pop(key, None)
+
     def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         ready: Callable[[int], None] | None = None) -> list[bool]:
         """Objects already held are kept, unread (keys are content-addressed)."""

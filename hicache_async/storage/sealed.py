@@ -5,7 +5,9 @@ its network) could be read, or fed bytes that then steer generation. So with a s
 object is sealed: its header (the first of its parts) is associated data, authenticated but
 left readable, and the rest is encrypted under a fresh random 12-byte nonce with a 16-byte tag,
 stored as header | nonce | ciphertext | tag. An object that does not open, written without
-the secret, under another one, or altered in any byte, is `FORGED`: a miss, never KV.
+the secret, under another one, or altered in any byte, is `FORGED`: a miss, never KV, and
+never removed by the page store's healing, since the three look alike (removals pass through
+to the backend only for objects that open but fail their checksum).
 
 A wrapper, so every backend is sealed alike, third-party ones included. It runs inside the
 caller's deadline (under `GuardedStorage`), sealing into and opening from staging that each

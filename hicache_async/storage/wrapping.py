@@ -35,6 +35,9 @@ class WrappingStorage(StorageAdapter):
     def batch_get(self, keys: list[str], buffers: list[memoryview]) -> list[int]:
         return self._through("batch_get", keys, lambda: self.inner.batch_get(keys, buffers))
 
+    def batch_remove(self, keys: list[str]) -> None:
+        self._through("batch_remove", keys, lambda: self.inner.batch_remove(keys))
+
     def batch_set_parts(self, keys: list[str], parts: list[Sequence[memoryview]],
                         ready: Callable[[int], None] | None = None) -> list[bool]:
         return self._through("batch_set", keys, lambda: self.inner.batch_set_parts(keys, parts, ready))

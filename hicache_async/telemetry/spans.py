@@ -36,7 +36,7 @@ SCOPE = "hicache_async"
 STEP = "hicache.step"
 PP_SYNC = "hicache.pp_sync"
 REQUEST = "hicache.request"
-STORAGE_OPS = ("batch_exists", "batch_get", "batch_set")
+STORAGE_OPS = ("batch_exists", "batch_get", "batch_set", "batch_remove")
 TIERS = ("l1", "l2", "l3", "computed")
 
 _tracer = trace.get_tracer(SCOPE)

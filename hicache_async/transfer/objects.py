@@ -33,6 +33,8 @@ _HEADER = struct.Struct("<4sHH8s8s8sIIIIQQ")
 HEADER_BYTES = _HEADER.size  # 64
 _PREFIX = struct.Struct("<4sHH8s8s8sIIIIQ")   # the fields before the checksum
 _KEY_AT = struct.calcsize("<4sHH8s8s")        # where the key digest sits
+_FORMAT = struct.calcsize("<4sHH")            # magic, version, flags: which format a header is in
+_TENANT = slice(struct.calcsize("<4sHH8s"), _KEY_AT)
 
 
 class CorruptObject(HiCacheError):
@@ -94,6 +96,22 @@ def expected_prefixes(specs: list[ObjectSpec], namespace: str, lengths: list[int
 def intact(header: memoryview, prefix: bytes, payload) -> bool:
     """Whether the 64-byte `header` is `prefix` then the payload's checksum."""
     return header == prefix + checksum(payload).to_bytes(8, "little")
+
+
+def damaged(header: memoryview, prefix: bytes) -> bool:
+    """Whether an object of the expected size whose 64-byte `header` failed `intact` against
+    `prefix` is a damaged copy of the reader's own object, which the reader may replace,
+    rather than another writer's, which it must leave alone.
+
+    Under one key another writer can only be another tenant (its tenant field differs) or
+    another version of this format (same magic, another version or flags): both are theirs.
+    Any other mismatch is damage: a payload or checksum byte, a field the key itself fixes
+    (namespace, key digest, layers, heads, length), or no header at all (another magic: the
+    zeros a crash leaves in blocks never written).
+    """
+    if header[:len(MAGIC)] != MAGIC:
+        return True
+    return header[:_FORMAT] == prefix[:_FORMAT] and header[_TENANT] == prefix[_TENANT]
 
 
 def verify(key: str, spec: ObjectSpec, namespace: str, header, payload, tenant: bytes = NO_TENANT) -> None:

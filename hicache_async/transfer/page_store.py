@@ -31,6 +31,20 @@ cache, only as long as the caller waits; from an adapter that `lands_each` objec
 is a small ring the read streams through, checked and copied beside the reader
 (`checksums.py`). A backup makes no header after its caller gave up, so bytes it reads late
 from pages that moved on fail their checksum: a miss, never another page's KV under this key.
+
+The store heals. Backups skip keys already stored, so an object that fails verification
+would be a miss for every reader, for good. So a prefetch remembers the key of an object it
+finds *damaged*, a broken copy of this reader's own object (`objects.damaged`: the expected
+size and a header of this format and tenant, but a byte or field that does not check out; or
+shorter than any writer of the key stores it), and the next backup of that key removes it
+(`batch_remove`) just before writing it afresh. Only a writer of the right bytes removes, at
+once before it writes, never a reader: so a healer that removes what another healer just
+wrote stores the same good bytes again, and only a failed write leaves the key empty (a miss
+the next backup fills). An object that may be another writer's is left alone: another
+tenant's or format version's header, an object of another size (a sealed one read without
+the secret), anything a sealed store cannot open (AES-GCM cannot tell a flipped byte from
+another secret's object, so a sealed store heals no forgery). Deleting those would let one
+tenant, or an engine given the wrong secret, wipe another's objects.
 """
 from __future__ import annotations
 
@@ -51,12 +65,13 @@ from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter, buffe
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
 from .checksums import Ahead, Behind, InPlace, checks_inline
-from .objects import HEADER_BYTES, NO_TENANT, encode_header, expected_prefixes, intact
+from .objects import HEADER_BYTES, NO_TENANT, damaged, encode_header, expected_prefixes, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 STAGING_BYTES = 32 << 20    # most bytes per staged prefetch call, unless one page is more
 MIN_RUN_BYTES = 4 << 10     # a page in runs moves in place when each run is at least this...
 MAX_RUNS = 512              # ...and they are at most this many (an object's parts are one readv)
+DAMAGED_KEYS = 4096         # most keys of damaged objects a store remembers for their next backup
 
 
 @dataclass
@@ -65,6 +80,7 @@ class BackupResult:
     bytes: int = 0        # bytes this call wrote
     errors: int = 0       # objects that failed to store
     skipped: int = 0      # pages the adapter found already stored
+    healed: int = 0       # objects rewritten in place of a damaged copy a prefetch had found
 
 
 @dataclass
@@ -72,6 +88,7 @@ class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
     corrupt: int = 0      # objects that failed verification (treated as misses)
+    damaged: int = 0      # of those, damaged copies of this reader's own: rewritten by their next backup
     forged: int = 0       # objects that failed authentication in a sealed store (misses too)
     missing: int = 0      # objects absent from a page whose other objects were read
     errors: int = 0       # failed storage calls
@@ -88,6 +105,7 @@ class StoreCounters:
     forged_objects: int = 0
     missing_objects: int = 0
     storage_errors: int = 0
+    healed_objects: int = 0      # damaged objects removed and written afresh by a backup
     bytes_written: int = 0
     bytes_read: int = 0
     quarantined_bytes: int = 0   # a gauge: staging held by abandoned calls not yet returned
@@ -115,6 +133,8 @@ class PageStore:
         self._hosts: dict[int, tuple[torch.Tensor, memoryview]] = {}
         self._pinned: set[int] = set()
         self._hosts_lock = threading.Lock()
+        self._damaged: dict[str, None] = {}    # keys of damaged objects found, oldest first
+        self._damaged_lock = threading.Lock()
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -162,6 +182,29 @@ class PageStore:
         slot = self._slot(host, page, spec)
         return [tensor_bytes(slot).cast("B")] if slot.is_contiguous() else slot
 
+    def _found_damaged(self, key: str) -> None:
+        with self._damaged_lock:
+            self._damaged[key] = None
+            if len(self._damaged) > DAMAGED_KEYS:
+                del self._damaged[next(iter(self._damaged))]
+
+    def _heal(self, keys: list[str]) -> set[str]:
+        """Those of `keys` found damaged, removed from storage so the write that follows stores
+        them afresh. Forgotten here either way: if the removal fails, the write skips the
+        object, and the next prefetch finds it damaged again."""
+        if not self._damaged:
+            return set()
+        with self._damaged_lock:
+            healing = {key for key in keys if key in self._damaged}
+            for key in healing:
+                del self._damaged[key]
+        if healing:
+            try:
+                self.adapter.batch_remove(sorted(healing))
+            except StorageError:
+                self.counters.add(storage_errors=1)
+        return healing
+
     def _write_pages(self, page_hashes: list[str]) -> range:
         """Indices of the pages this rank writes."""
         n, c = len(page_hashes), self.coords
@@ -176,7 +219,7 @@ class PageStore:
     def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int], *,
                tenant: bytes = NO_TENANT) -> BackupResult:
         """Store the given host pages under their hashes, as `tenant`'s (8 bytes); the adapter
-        skips what it already holds."""
+        skips what it already holds, except objects a prefetch found damaged (rewritten)."""
         _check_args(page_hashes, host_pages, tenant)
         result = BackupResult(ok=[True] * len(page_hashes))
         mine = self._write_pages(page_hashes)
@@ -205,9 +248,11 @@ class PageStore:
             for j in group:
                 parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, jobs[j][1], tenant)
 
+        keys = [spec.key for spec, _ in jobs]
+        healing = self._heal(keys)
         ahead = Ahead(sizes, encode)
         try:
-            stored = self.adapter.batch_set_parts([spec.key for spec, _ in jobs], parts, ready=ahead.wait)
+            stored = self.adapter.batch_set_parts(keys, parts, ready=ahead.wait)
         except StorageError as exc:
             ahead.abandon()     # no header from now on: pages the call reads late fail their checksum
             if isinstance(exc, AbandonedCall):
@@ -220,9 +265,10 @@ class PageStore:
                 result.errors += 1
             elif ahead.used[j]:
                 result.bytes += HEADER_BYTES + sizes[j]
+                result.healed += keys[j] in healing
                 written.add(i)
         result.skipped = sum(1 for i in mine if result.ok[i] and i not in written)
-        self.counters.add(bytes_written=result.bytes, storage_errors=result.errors)
+        self.counters.add(bytes_written=result.bytes, storage_errors=result.errors, healed_objects=result.healed)
         return result
 
     # -- L3 -> L2 ------------------------------------------------------------------------
@@ -316,9 +362,12 @@ class PageStore:
         for group_sizes, end in outcomes:
             good_sizes += group_sizes
             if end is not None:
-                result.corrupt += end == "corrupt"
+                result.corrupt += end in ("corrupt", "damaged")
                 result.forged += end == "forged"
                 result.missing += end == "missing" and len(good_sizes) % per_page != 0
+                if end == "damaged":
+                    result.damaged += 1
+                    self._found_damaged(objects[len(good_sizes)][0].key)
                 break
         good = len(good_sizes) // per_page
         result.bytes += sum(good_sizes[:good * per_page])
@@ -365,7 +414,13 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
 
 
 def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload: list) -> str | None:
-    """Why an object read as `got` bytes is no good (missing, forged, corrupt); None: intact."""
-    if got != size:
-        return "missing" if got == MISSING else "forged" if got == FORGED else "corrupt"
-    return None if intact(header, prefix, payload) else "corrupt"
+    """Why an object read as `got` bytes is no good (missing, forged, corrupt, or damaged: corrupt
+    and a broken copy of this reader's own object); None: intact. An object shorter than
+    expected is damaged: no writer of its key stores one (a sealed object is longer)."""
+    if got == size:
+        if intact(header, prefix, payload):
+            return None
+        return "damaged" if damaged(header, prefix) else "corrupt"
+    if got == MISSING or got == FORGED:
+        return "missing" if got == MISSING else "forged"
+    return "damaged" if 0 <= got < size else "corrupt"

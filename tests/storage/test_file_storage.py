@@ -130,21 +130,60 @@ def test_distinct_keys_get_distinct_names():
     assert len({object_name(k) for k in keys}) == len(keys)
 
 
-def test_capacity_evicts_least_recently_used(tmp_path):
+def test_capacity_evicts_the_least_recently_written_and_a_read_changes_nothing(tmp_path):
     fs = FileStorage(str(tmp_path), capacity_bytes=10_000)
-    fs.batch_set(["k0"], [bytes(1000)])
-    os.utime(tmp_path / "k0" / "k0", (1, 1))  # make k0 the oldest...
-    for i in range(1, 9):
-        fs.batch_set([f"k{i}"], [bytes(1000)])
-        os.utime(tmp_path / f"k{i}"[:2] / f"k{i}", (10 + i, 10 + i))
-    assert _get(fs, "k0", 1000) == bytes(1000)  # ...then read it, which makes it the newest
+    for i in range(9):
+        fs.batch_set([f"k{i}"], [bytes([i]) * 1000])
+        os.utime(tmp_path / f"k{i}"[:2] / f"k{i}", (10 + i, 10 + i))   # k0 the oldest write, k8 the newest
+    before = {f: os.stat(f).st_mtime_ns for f in _files(tmp_path)}
+    for _ in range(3):
+        assert _get(fs, "k0", 1000) == bytes([0]) * 1000
+        assert fs.batch_get_parts(["k0"], [[memoryview(bytearray(1000))]]) == [1000]
+    assert {f: os.stat(f).st_mtime_ns for f in _files(tmp_path)} == before   # reads left no trace
     for i in range(9, 15):
-        fs.batch_set([f"k{i}"], [bytes(1000)])
-    total = sum(os.path.getsize(f) for f in _files(tmp_path))
-    assert total <= 10_000
-    assert fs.batch_exists(["k0", "k14", "k13"]) == 3
-    assert fs.batch_exists(["k1"]) == 0
+        fs.batch_set([f"k{i}"], [bytes([i]) * 1000])
+    assert sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10_000
+    assert sorted(os.path.basename(f) for f in _files(tmp_path)) == sorted(f"k{i}" for i in range(6, 15))
     assert fs.batch_set(["huge"], [bytes(20_000)]) == [False]
+
+
+def test_a_write_under_way_shows_only_a_dot_temp_file_beside_the_object(tmp_path, monkeypatch):
+    fs = FileStorage(str(tmp_path))
+    real_pwritev, halfway, go_on = os.pwritev, threading.Event(), threading.Event()
+
+    def slow_pwritev(fd, parts, offset):
+        done = real_pwritev(fd, [parts[0][:100]], offset)     # a short write, then a pause
+        halfway.set()
+        assert go_on.wait(30)
+        return done
+
+    monkeypatch.setattr(os, "pwritev", slow_pwritev)
+    writer = threading.Thread(target=fs.batch_set, args=(["key"], [b"v" * 5000]))
+    writer.start()
+    try:
+        assert halfway.wait(30)
+        names = os.listdir(tmp_path / "ke")
+        assert len(names) == 1 and names[0].startswith(".") and names[0].endswith(".tmp"), names
+        assert os.path.getsize(tmp_path / "ke" / names[0]) == 100
+        assert _get(fs, "key", 5000) == MISSING and fs.batch_exists(["key"]) == 0
+    finally:
+        go_on.set()
+        writer.join(timeout=30)
+    assert os.listdir(tmp_path / "ke") == ["key"] and _get(fs, "key", 5000) == b"v" * 5000
+
+
+def test_temp_files_a_crash_left_are_never_read_or_counted_and_stale_ones_go(tmp_path):
+    FileStorage(str(tmp_path)).batch_set(["k0"], [b"0" * 1000])
+    fresh, stale = tmp_path / "k0" / ".123-deadbeef-0.tmp", tmp_path / "k0" / ".123-deadbeef-1.tmp"
+    fresh.write_bytes(b"x" * 9000)                  # a writer that died mid-object, just now...
+    stale.write_bytes(b"y" * 9000)
+    os.utime(stale, (time.time() - 7200,) * 2)      # ...and one two hours ago
+    fs = FileStorage(str(tmp_path), capacity_bytes=10_000)
+    assert not stale.exists() and fresh.exists()
+    assert _get(fs, fresh.name, 9000) == MISSING and fs.batch_exists([fresh.name]) == 0
+    for i in range(1, 10):                          # 10,000 bytes of objects: full, not over
+        fs.batch_set([f"k{i}"], [b"%d" % i * 1000])
+    assert fs.batch_exists([f"k{i}" for i in range(10)]) == 10 and fresh.exists()
 
 
 def test_two_processes_share_one_directory(tmp_path):

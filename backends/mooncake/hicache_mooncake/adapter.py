@@ -4,7 +4,8 @@ Memory handed to `register_memory` (the host pool) is read and written in place;
 part (headers, copies of non-contiguous slices) goes through a per-thread registered
 staging buffer. Return codes: -704 not found is a miss, -705 already exists is success
 (keys are content-addressed), -900 RPC failure is an outage (StorageError), other
-negatives fail just that object.
+negatives fail just that object. A put never replaces a stored object, so the page store
+heals a damaged one by removing it (`batch_remove`) just before it puts the right bytes.
 
 Where the caller's checksums run on spare cores (`config.CHECKSUM_WORKERS`), a large batch
 moves in a few zero-copy calls (`_runs`) rather than one, so they overlap the transfer: the
@@ -159,6 +160,15 @@ class MooncakeStorage(MooncakeClient):
             raise StorageError(f"mooncake batch_is_exist failed with code {codes[n]} (master {self.master})")
         return n
 
+    @in_call
+    def batch_remove(self, keys: list[str]) -> None:
+        """Forced: the lease a get leaves (the master's, some seconds) must not keep a damaged
+        object, and a reader whose transfer this cuts short gets bytes that fail verification, a
+        miss. An object whose removal fails otherwise stays: the put that follows skips it as
+        held, and the next read finds it damaged again."""
+        if keys:
+            self._check(self._store.batch_remove(keys, True), "batch_remove")
+
     def batch_set(self, keys: list[str], values: list) -> list[bool]:
         return self.batch_set_parts(keys, [[memoryview(v)] for v in values])
 
@@ -209,7 +219,7 @@ class MooncakeStorage(MooncakeClient):
             codes = self._store.batch_get_into_multi_buffers(keys[run.start:run.stop], ptrs, sizes)
             self._check(codes, "batch_get")
             self._unstage(copies, base)
-            results = [self._get_result(k, c) for k, c in zip(keys[run.start:run.stop], codes)]
+            results = [self._get_result(k, c, n) for k, c, n in zip(keys[run.start:run.stop], codes, sizes)]
             out += results
             if landed is not None:
                 landed(run.start, results)
@@ -220,11 +230,16 @@ class MooncakeStorage(MooncakeClient):
         for dst, offset, n in copies:
             ctypes.memmove(dst, base + offset, n)
 
-    def _get_result(self, key: str, code: int) -> int:
+    def _get_result(self, key: str, code: int, parts: list[int] | None = None) -> int:
+        """What a get of `key` reports. `parts`: the sizes of the parts it was read into; an
+        object smaller than they are (which a get into parts refuses) reports its size, unread,
+        as the contract asks."""
         if code >= 0:
             return code
         if code == OBJECT_NOT_FOUND:
             return MISSING
-        if code in SIZE_MISMATCH and self._store.get_size(key) >= 0:
-            return WRONG_SIZE
+        if code in SIZE_MISMATCH:
+            held = self._store.get_size(key)
+            if held >= 0:
+                return held if parts is not None and held < sum(parts) else WRONG_SIZE
         return MISSING

@@ -31,8 +31,8 @@ from ..ranks.launcher import launch
 
 TOKEN_FIELDS = ("tokens_from_l1", "tokens_from_l2", "tokens_from_l3", "tokens_computed")
 # the last: staging and host pages held at the end by calls given up on
-STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "forged_objects", "missing_objects", "l3_bytes_written",
-                  "l3_bytes_read", "quarantined_bytes")
+STORAGE_COUNTS = ("storage_errors", "corrupt_objects", "forged_objects", "missing_objects", "healed_objects",
+                  "l3_bytes_written", "l3_bytes_read", "quarantined_bytes")
 
 
 @dataclass
