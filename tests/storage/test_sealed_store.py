@@ -3,7 +3,6 @@ AES-256-GCM, the header as associated data. An object written without the secret
 another one, or altered in any byte is a miss counted as forged, never KV; the secret shows
 nowhere; a bad secret file is one line and exit 2."""
 import json
-import os
 import subprocess
 import sys
 
@@ -11,42 +10,24 @@ import pytest
 import torch
 
 from hicache_async.errors import UsageError
-from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.layout import KVLayout
+from hicache_async.keys import page_hashes
 from hicache_async.pools import HostPool
 from hicache_async.storage.file import FileStorage
 from hicache_async.storage.memory import MemoryStorage
 from hicache_async.storage.sealed import SEAL_BYTES, SealedStorage, load_key
 from hicache_async.transfer.objects import HEADER_BYTES
-from hicache_async.transfer.page_store import PageStore
+from tests.helpers.small_pages import LAYOUT, page_store, secret_file, seeded_host
 
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
 HASHES = page_hashes(range(4 * 4), 4)
 RUN = ["--requests", "16", "--page-size", "8", "--device-pages", "48", "--host-pages", "56",
        "--prefetch-threshold", "8"]
 
 
-def _secret(path, size: int = 32, mode: int = 0o600) -> str:
-    path.write_bytes(os.urandom(size))
-    path.chmod(mode)
-    return str(path)
-
-
-def _host(seed: int = 0) -> HostPool:
-    host = HostPool(LAYOUT, 4)
-    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(seed)))
-    return host
-
-
-def _store(adapter, scheme: str = "rank-suffix") -> PageStore:
-    return PageStore(adapter, LAYOUT, make_key_scheme(scheme, LAYOUT, head_group=1))
-
-
 @pytest.mark.parametrize("scheme", ["rank-suffix", "unified"])
 def test_a_sealed_round_trip_stores_no_plaintext(tmp_path, scheme):
-    key = load_key(_secret(tmp_path / "secret"))
-    host, raw = _host(), FileStorage(str(tmp_path / "l3"))
-    store = _store(SealedStorage(raw, key), scheme)
+    key = load_key(secret_file(tmp_path / "secret"))
+    host, raw = seeded_host(), FileStorage(str(tmp_path / "l3"))
+    store = page_store(SealedStorage(raw, key), scheme)
     assert store.backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
     reader = HostPool(LAYOUT, 4)
     got = store.prefetch(HASHES, reader, [3, 2, 1, 0])
@@ -65,10 +46,10 @@ def test_a_batch_bigger_than_a_run_moves_in_several_calls_and_stops_at_a_forgery
     from hicache_async.storage import sealed as sealed_module
 
     monkeypatch.setattr(sealed_module, "RUN_BYTES", 1)   # one object a backend call
-    raw, host, calls = MemoryStorage(), _host(), []
+    raw, host, calls = MemoryStorage(), seeded_host(), []
     get = raw.batch_get
     raw.batch_get = lambda keys, buffers: calls.append(len(keys)) or get(keys, buffers)
-    store = _store(SealedStorage(raw, load_key(_secret(tmp_path / "secret"))))
+    store = page_store(SealedStorage(raw, load_key(secret_file(tmp_path / "secret"))))
     assert store.backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
     reader = HostPool(LAYOUT, 4)
     assert store.prefetch(HASHES, reader, [0, 1, 2, 3]).pages == 4 and torch.equal(reader.tensor, host.tensor)
@@ -80,8 +61,8 @@ def test_a_batch_bigger_than_a_run_moves_in_several_calls_and_stops_at_a_forgery
 
 def test_each_object_gets_a_fresh_nonce(tmp_path):
     raw = MemoryStorage()
-    store = _store(SealedStorage(raw, load_key(_secret(tmp_path / "secret"))))
-    host = _host()
+    store = page_store(SealedStorage(raw, load_key(secret_file(tmp_path / "secret"))))
+    host = seeded_host()
     host.tensor[1] = host.tensor[0]                      # two pages of equal KV
     assert store.backup(HASHES[:2], host, [0, 1]).ok == [True] * 2
     blobs = [raw._objects[store.keys.objects(h)[0].key] for h in HASHES[:2]]
@@ -99,12 +80,12 @@ def _forge(how: str, raw: MemoryStorage, key: str) -> None:
 @pytest.mark.parametrize("how", ["without the secret", "another secret", "header", "nonce", "ciphertext", "tag",
                                  "truncated"])
 def test_an_object_that_does_not_open_is_a_miss_counted_as_forged(tmp_path, how):
-    raw, host = MemoryStorage(), _host()
-    sealed = _store(SealedStorage(raw, load_key(_secret(tmp_path / "secret"))))
+    raw, host = MemoryStorage(), seeded_host()
+    sealed = page_store(SealedStorage(raw, load_key(secret_file(tmp_path / "secret"))))
     if how == "without the secret":
-        writer = _store(raw)
+        writer = page_store(raw)
     elif how == "another secret":
-        writer = _store(SealedStorage(raw, load_key(_secret(tmp_path / "other"))))
+        writer = page_store(SealedStorage(raw, load_key(secret_file(tmp_path / "other"))))
     else:
         writer = sealed
     assert writer.backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
@@ -123,17 +104,18 @@ def test_an_object_that_does_not_open_is_a_miss_counted_as_forged(tmp_path, how)
 
 def test_an_unsealed_reader_of_a_sealed_object_misses(tmp_path):
     raw = MemoryStorage()
-    assert _store(SealedStorage(raw, load_key(_secret(tmp_path / "s")))).backup(HASHES, _host(), [0, 1, 2, 3]).ok
-    got = _store(raw).prefetch(HASHES, HostPool(LAYOUT, 4), [0, 1, 2, 3])
+    sealed = page_store(SealedStorage(raw, load_key(secret_file(tmp_path / "s"))))
+    assert sealed.backup(HASHES, seeded_host(), [0, 1, 2, 3]).ok
+    got = page_store(raw).prefetch(HASHES, HostPool(LAYOUT, 4), [0, 1, 2, 3])
     assert (got.pages, got.corrupt) == (0, 1)
 
 
 @pytest.mark.parametrize("setup,named", [
     (lambda p: None, "cannot read it: No such file"),
     (lambda p: p.mkdir(), "not a regular file"),
-    (lambda p: _secret(p, size=31), "holds 31 bytes; a secret is at least 32 random bytes"),
-    (lambda p: _secret(p, mode=0o640), "open to group or others (mode 640)"),
-    (lambda p: _secret(p, mode=0o604), "open to group or others (mode 604)"),
+    (lambda p: secret_file(p, size=31), "holds 31 bytes; a secret is at least 32 random bytes"),
+    (lambda p: secret_file(p, mode=0o640), "open to group or others (mode 640)"),
+    (lambda p: secret_file(p, mode=0o604), "open to group or others (mode 604)"),
 ])
 def test_a_bad_secret_file_is_one_line_and_exit_2(tmp_path, setup, named):
     path = tmp_path / "secret"
@@ -156,7 +138,7 @@ def _simulate(tmp_path, *args: str) -> tuple[dict, str]:
 
 
 def test_simulate_seals_its_store_and_another_secret_finds_only_forgeries(tmp_path):
-    secret, other = _secret(tmp_path / "secret"), _secret(tmp_path / "other")
+    secret, other = secret_file(tmp_path / "secret"), secret_file(tmp_path / "other")
     first, said = _simulate(tmp_path, "--storage-secret-file", secret, "--trace-file", str(tmp_path / "spans.json"))
     assert first["storage_sealed"] and first["forged_objects"] == 0 and first["tokens_from_l3"] > 0, first
     assert first["kv_mismatches"] == 0 and first["outputs_match_reference"]
@@ -172,6 +154,6 @@ def test_simulate_seals_its_store_and_another_secret_finds_only_forgeries(tmp_pa
 
 def test_a_secret_file_needs_a_storage(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hicache_async", "simulate", "--storage", "none",
-                           "--storage-secret-file", _secret(tmp_path / "s"), "--requests", "2"],
+                           "--storage-secret-file", secret_file(tmp_path / "s"), "--requests", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "needs a storage to seal" in done.stderr and done.stderr.count("\n") == 1

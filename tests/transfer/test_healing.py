@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from hicache_async.config import CacheConfig
-from hicache_async.keys import make_key_scheme, page_hashes
-from hicache_async.layout import KVLayout
+from hicache_async.keys import page_hashes
 from hicache_async.pools import HostPool
 from hicache_async.storage.file import FileStorage
 from hicache_async.storage.memory import MemoryStorage
@@ -19,26 +18,10 @@ from hicache_async.topology import RankCoords
 from hicache_async.transfer.l3_session import guarded_store
 from hicache_async.transfer.objects import HEADER_BYTES, NO_TENANT, encode_header
 from hicache_async.transfer.page_store import PageStore
+from tests.helpers.small_pages import LAYOUT, page_store, secret_file, seeded_host
 
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, page_size=4)
 HASHES = page_hashes(range(4 * 4), 4)
 TENANT_A, TENANT_B = b"tenant-a", b"tenant-b"
-
-
-def _host(seed: int = 0) -> HostPool:
-    host = HostPool(LAYOUT, 4)
-    host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(seed)))
-    return host
-
-
-def _store(adapter, scheme: str = "rank-suffix") -> PageStore:
-    return PageStore(adapter, LAYOUT, make_key_scheme(scheme, LAYOUT, head_group=1))
-
-
-def _secret(path) -> str:
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return str(path)
 
 
 def _object(store: PageStore, host: HostPool, page: int, spec, tenant: bytes = NO_TENANT) -> bytes:
@@ -99,10 +82,10 @@ CASES += [pytest.param("sealed file", scheme, how, id=f"sealed-{scheme}-{how}")
 def test_a_damaged_object_is_rewritten_by_the_next_backup_and_then_read_back_verified(
         tmp_path, backend, scheme, how):
     raw = MemoryStorage() if backend == "memory" else FileStorage(str(tmp_path / "l3"))
-    adapter = SealedStorage(raw, load_key(_secret(tmp_path / "secret"))) if backend == "sealed file" else raw
-    host = _host()
-    assert _store(adapter, scheme).backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
-    store = _store(adapter, scheme)                    # a later process: it reads, then backs up
+    adapter = SealedStorage(raw, load_key(secret_file(tmp_path / "secret"))) if backend == "sealed file" else raw
+    host = seeded_host()
+    assert page_store(adapter, scheme).backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
+    store = page_store(adapter, scheme)                    # a later process: it reads, then backs up
     specs = store.keys.objects(HASHES[1])
     bad = specs[len(specs) // 2]                       # an object of the second page (mid-page when several)
     right = _object(store, host, 1, bad)
@@ -116,7 +99,7 @@ def test_a_damaged_object_is_rewritten_by_the_next_backup_and_then_read_back_ver
     assert again.bytes == len(right)                   # the damaged object, and it alone, was written
     assert _get_raw(adapter, bad.key, len(right)) == right
     reader = HostPool(LAYOUT, 4)
-    got = _store(adapter, scheme).prefetch(HASHES, reader, [3, 2, 1, 0])
+    got = page_store(adapter, scheme).prefetch(HASHES, reader, [3, 2, 1, 0])
     assert (got.pages, got.corrupt) == (4, 0)
     assert torch.equal(reader.tensor.flip(0), host.tensor)
 
@@ -127,17 +110,18 @@ def test_a_damaged_object_is_rewritten_by_the_next_backup_and_then_read_back_ver
 
 def _writer_and_reader(tmp_path, case: str, raw: FileStorage):
     """(writer store, its tenant, reader store, its tenant) for a reader that cannot claim the objects."""
-    sealed = SealedStorage(raw, load_key(_secret(tmp_path / "secret")))
+    sealed = SealedStorage(raw, load_key(secret_file(tmp_path / "secret")))
     if case == "another secret":
-        return _store(sealed), NO_TENANT, _store(SealedStorage(raw, load_key(_secret(tmp_path / "other")))), NO_TENANT
+        other = SealedStorage(raw, load_key(secret_file(tmp_path / "other")))
+        return page_store(sealed), NO_TENANT, page_store(other), NO_TENANT
     if case == "no secret, sealed objects":
-        return _store(sealed), NO_TENANT, _store(raw), NO_TENANT
+        return page_store(sealed), NO_TENANT, page_store(raw), NO_TENANT
     if case == "a secret, unsealed objects":
-        return _store(raw), NO_TENANT, _store(sealed), NO_TENANT
+        return page_store(raw), NO_TENANT, page_store(sealed), NO_TENANT
     if case == "tampered sealed object":
-        return _store(sealed), NO_TENANT, _store(sealed), NO_TENANT
+        return page_store(sealed), NO_TENANT, page_store(sealed), NO_TENANT
     assert case == "another tenant"
-    return _store(raw), TENANT_A, _store(raw), TENANT_B
+    return page_store(raw), TENANT_A, page_store(raw), TENANT_B
 
 
 @pytest.mark.parametrize("case", ["another secret", "no secret, sealed objects", "a secret, unsealed objects",
@@ -145,7 +129,7 @@ def _writer_and_reader(tmp_path, case: str, raw: FileStorage):
 def test_a_reader_never_removes_what_may_be_another_writers(tmp_path, case):
     raw = FileStorage(str(tmp_path / "l3"))
     writer, mine, reader, theirs = _writer_and_reader(tmp_path, case, raw)
-    host = _host()
+    host = seeded_host()
     assert writer.backup(HASHES, host, [0, 1, 2, 3], tenant=mine).ok == [True] * 4
     if case == "tampered sealed object":         # a flipped ciphertext byte: AES-GCM cannot tell it from another secret
         path = raw._path(writer.keys.objects(HASHES[0])[0].key)
@@ -156,7 +140,7 @@ def test_a_reader_never_removes_what_may_be_another_writers(tmp_path, case):
 
     got = reader.prefetch(HASHES, HostPool(LAYOUT, 4), [0, 1, 2, 3], tenant=theirs)
     assert got.pages == 0 and got.corrupt + got.forged == 1
-    again = reader.backup(HASHES, _host(seed=1), [0, 1, 2, 3], tenant=theirs)
+    again = reader.backup(HASHES, seeded_host(seed=1), [0, 1, 2, 3], tenant=theirs)
     assert again.ok == [True] * 4 and (again.bytes, again.skipped) == (0, 4)
     assert _snapshot(tmp_path / "l3") == before          # not a byte of the store changed
     if case != "tampered sealed object":
@@ -171,7 +155,7 @@ def test_the_guarded_traced_stack_heals(tmp_path):
     pass the removal through to the backend."""
     raw = FileStorage(str(tmp_path / "l3"))
     store = guarded_store(raw, "file", LAYOUT, RankCoords(), CacheConfig(page_size=4))
-    host = _host()
+    host = seeded_host()
     assert store.backup(HASHES, host, [0, 1, 2, 3]).ok == [True] * 4
     spec = store.keys.objects(HASHES[0])[0]
     right = _object(store, host, 0, spec)
@@ -186,7 +170,7 @@ def test_the_guarded_traced_stack_heals(tmp_path):
 
 def test_a_failed_removal_is_counted_and_the_object_found_again(tmp_path, monkeypatch):
     raw = FileStorage(str(tmp_path / "l3"))
-    store, host = _store(raw), _host()
+    store, host = page_store(raw), seeded_host()
     store.backup(HASHES, host, [0, 1, 2, 3])
     spec = store.keys.objects(HASHES[0])[0]
     _put_raw(raw, spec.key, _damage(_object(store, host, 0, spec), "payload byte"))
