@@ -7,10 +7,11 @@ Each side is timed the way SGLang's controller drives it: ours through `batch_se
 generic path (one `get_data_page` copy per page, then `batch_set`; a dummy page per key, then
 `batch_get` and `set_from_flat_data_page`), in batches of SGLang's 128 pages at most. The host
 buffer is a stand-in with SGLang's geometry in each MHA layout measured (its host pool classes
-import model code that a CPU machine without torchvision cannot load): `page_first`, whose
-pages are runs of one token's layer too small to move in place, so ours goes through staging,
-and `layer_first` and `page_first_direct`, whose pages are a K and a V run a layer, read and
-written in place.
+import model code that a CPU machine without torchvision cannot load), attached as SGLang's MHA
+pool (`attach_host_pool`, skipping only the check of its class), under a named model (no
+checkpoint to fingerprint): `page_first`, whose pages are runs of one token's layer too small
+to move in place, so ours goes through staging, and `layer_first` and `page_first_direct`,
+whose pages are a K and a V run a layer, read and written in place.
 """
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ def _figures(layout: str, names: tuple[str, str], baselines: tuple[str, str], qu
         for r in range(reps):
             keys = [f"{r:08x}{i:056x}" for i in range(pages)]
             slots = torch.arange(pages * PAGE)
-            ours, mine = HiCacheAsyncStorage(_config({"storage_path": f"{root}/ours{r}"})), _pool(layout, pages, r)
-            ours.register_mem_pool_host(mine)
+            ours = HiCacheAsyncStorage(_config({"storage_path": f"{root}/ours{r}", "model_id": "bench-512k"}))
+            mine = _pool(layout, pages, r)
+            ours.attach_host_pool(mine, "mha")
             theirs, src = HiCacheFile(_config({}), file_path=f"{root}/theirs{r}"), _pool(layout, pages, r)
             dst, want = _pool(layout, pages, r + 100), src.kv_buffer.clone()
             cut = [(keys[b:b + BATCH], slots[b * PAGE:(b + BATCH) * PAGE]) for b in range(0, pages, BATCH)]

@@ -8,6 +8,11 @@ the store reads and writes in place; in `page_first` and `page_head` its runs ar
 (or head's) few bytes, read through staging. An MLA page in `page_first_direct` is one run,
 and a run a layer in `layer_first`. The layout's name goes into the namespace, so a pool laid
 out another way misses instead of reading bytes in an order it did not write.
+
+Only the two pool classes whose every byte lies in `kv_buffer` are keyed: a subclass or another
+pool may hold more for a page (DSA indexer keys, MXFP8 scales), which a restored page would
+lack. Classes are known by their qualified names, so the check needs no import of SGLang's
+pool modules (which load model code).
 """
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ ENGINE_FAMILY = "sglang-0.5"
 CANONICAL = ("plane", "token", "head", "dim")
 HEAD_MAJOR = ("plane", "head", "token", "dim")   # page_head: heads outside tokens
 LATENT = ("token", "head", "dim")                # MLA: one latent "head" a token
+KNOWN_POOLS = {
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost": "mha",
+    "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost": "mla",
+}
 
 
 @dataclass(frozen=True)
@@ -40,9 +49,19 @@ class PoolShape:
     engine_layout: str
 
 
-def pool_shape(pool) -> PoolShape:
-    """The view and geometry of an `MHATokenToKVPoolHost` or `MLATokenToKVPoolHost`."""
-    mla = hasattr(pool, "kv_lora_rank")
+def pool_attention(pool) -> str:
+    """"mha" or "mla" for a pool class we key; a UsageError naming any other."""
+    name = f"{type(pool).__module__}.{type(pool).__qualname__}"
+    if name not in KNOWN_POOLS:
+        raise UsageError(f"hicache-async: SGLang host pool {name} is not supported: its pages may hold more than "
+                         f"kv_buffer; expected {' or '.join(KNOWN_POOLS)}")
+    return KNOWN_POOLS[name]
+
+
+def pool_shape(pool, attention: str) -> PoolShape:
+    """The view and geometry of an `MHATokenToKVPoolHost` or `MLATokenToKVPoolHost`
+    (`attention` "mha" or "mla")."""
+    mla = attention == "mla"
     layout, kv, ps = pool.layout, pool.kv_buffer, pool.page_size
     if kv is None or not isinstance(kv, torch.Tensor):
         raise UsageError(f"hicache-async: host pool {type(pool).__name__} has no single KV buffer")

@@ -22,9 +22,9 @@ def rank_coords(config) -> RankCoords:
                       pp_size=config.pp_size)
 
 
-def kv_layout(config, shape: PoolShape, options: Options) -> KVLayout:
-    """The KV this rank holds, its global layers and heads, and the namespace's ingredients."""
-    model = options.model_id or config.model_name or "unnamed-model"
+def kv_layout(config, shape: PoolShape, options: Options, model: str) -> KVLayout:
+    """The KV this rank holds, its global layers and heads, and the namespace's ingredients
+    (`model`: the model's id, see `identity`)."""
     slices = []
     if config.attn_cp_size > 1:
         slices.append(f"cp{config.attn_cp_rank}of{config.attn_cp_size}")

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -20,9 +21,11 @@ from hicache_async.errors import UsageError
 from hicache_async.keys import tenant_digest
 from hicache_async.pools import HostPool
 from hicache_async.transfer.l3_session import l3_session
-from hicache_async.transfer.objects import NO_TENANT
+from hicache_async.transfer.objects import HEADER_BYTES, NO_TENANT
 
-from .host_view import pool_shape
+from .figures import IntervalFigures
+from .host_view import pool_attention, pool_shape
+from .identity import model_id
 from .options import parse_options
 from .placement import head_group, kv_layout, rank_coords
 
@@ -39,16 +42,32 @@ class HiCacheAsyncStorage(HiCacheStorage):
         self.options = parse_options(storage_config.extra_config)
         if getattr(storage_config, "dcp_size", 1) > 1:
             raise UsageError("hicache-async: decode context parallel (dcp) is not supported")
+        self.model_id = model_id(storage_config, self.options.model_id)
         self.writer = storage_config.is_storage_writer
+        self.figures = IntervalFigures(storage_config.enable_storage_metrics)
         self.store = self.host = None
         self._session = contextlib.ExitStack()
 
     # -- set-up ---------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        super().register_mem_pool_host(mem_pool_host)
-        shape = pool_shape(mem_pool_host)
-        layout = kv_layout(self.config, shape, self.options)
+        """SGLang's host pool (a hybrid stack's KV anchor): a class we key, else a UsageError."""
+        self.attach_host_pool(mem_pool_host, pool_attention(mem_pool_host))
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """A hybrid stack's pools: the KV anchor is ours already; any other (DSA indexer keys,
+        Mamba or SWA state) we do not store, and a page restored without its part is wrong KV."""
+        if host_pool is not getattr(self, "mem_pool_host", None):
+            raise UsageError(f"hicache-async: SGLang host pool {str(host_pool_name)!r} "
+                             f"({type(host_pool).__name__}) is not supported: only the KV pool is stored")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def attach_host_pool(self, pool, attention: str) -> None:
+        """Open L3 over `pool`, laid out as SGLang's `attention` ("mha" or "mla") host pool;
+        for a caller that vouches for its pool's class (the bench's stand-in)."""
+        super().register_mem_pool_host(pool)
+        shape = pool_shape(pool, attention)
+        layout = kv_layout(self.config, shape, self.options, self.model_id)
         coords = rank_coords(self.config)
         if layout.attention == "mla":   # the same latent on every TP rank: SGLang elects the writer
             coords = dataclasses.replace(coords, tp_rank=0, tp_size=1)
@@ -58,6 +77,8 @@ class HiCacheAsyncStorage(HiCacheStorage):
         self.store = self._session.enter_context(l3_session(
             o.storage, o.backend_options, layout, coords, o.cache_config(), secret_file=o.secret_file,
             head_group=head_group(self.config, layout, o)))
+        # what one page this rank writes takes in storage: SGLang's metrics count written pages
+        self._page_bytes = shape.view[0].nbytes + HEADER_BYTES * len(self.store.keys.objects("0" * 64))
 
     def close(self) -> None:
         self.store = None
@@ -78,9 +99,11 @@ class HiCacheAsyncStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """The leading run of pages read and verified into the host pool: True each, then False."""
         try:
+            start = time.perf_counter()
             result = self.store.prefetch(list(keys), self.host, self._pages(keys, host_indices),
                                          tenant=_tenant(extra_info))
             got = result.pages
+            self.figures.record("prefetch", got, result.bytes, time.perf_counter() - start)
             _until_returned(result.late)
         except Exception:
             log.exception("hicache-async: prefetch of %d pages failed", len(keys))
@@ -94,8 +117,11 @@ class HiCacheAsyncStorage(HiCacheStorage):
         if not self.writer:
             return [True] * len(keys)
         try:
-            return self.store.backup(list(keys), self.host, self._pages(keys, host_indices),
-                                     tenant=_tenant(extra_info)).ok
+            start = time.perf_counter()
+            result = self.store.backup(list(keys), self.host, self._pages(keys, host_indices),
+                                       tenant=_tenant(extra_info))
+            self.figures.record("backup", result.bytes // self._page_bytes, result.bytes, time.perf_counter() - start)
+            return result.ok
         except Exception:
             log.exception("hicache-async: backup of %d pages failed", len(keys))
             return [False] * len(keys)
@@ -125,9 +151,8 @@ class HiCacheAsyncStorage(HiCacheStorage):
         return False
 
     def get_stats(self):
-        c = self.store.counters if self.store is not None else None
-        return None if c is None else {name: getattr(c, name) for name in (
-            "corrupt_objects", "forged_objects", "missing_objects", "storage_errors", "bytes_written", "bytes_read")}
+        """SGLang's `StorageMetrics` for the batches since the last call (see `figures`)."""
+        return self.figures.take(self.store.counters if self.store is not None else None)
 
 
 def _tenant(extra_info: HiCacheStorageExtraInfo | None) -> bytes:

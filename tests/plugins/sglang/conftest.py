@@ -6,6 +6,21 @@ from tests.plugins.sglang import cpu_stubs
 cpu_stubs.install()
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed")
 
+from tests.plugins.sglang.harness import published, tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """A tiny model checkpoint folder, the model every test's server serves."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(autouse=True)
+def server_args(checkpoint):
+    """SGLang's server args, published as its scheduler process publishes them before it builds a cache."""
+    with published(model_path=str(checkpoint)):
+        yield
+
 
 @pytest.fixture
 def dynamic(tmp_path):

@@ -8,8 +8,10 @@ cache drives them: `write_storage`, and `prefetch` then the scheduler's hand-off
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+from pathlib import Path
 
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController
@@ -17,7 +19,7 @@ from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHA
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_context, get_parallel
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM, LATENT, PAGE = 2, 4, 8, 12, 4
@@ -25,24 +27,39 @@ MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def host_pool(attention: str, layout: str, pages: int = 16, heads: int = HEADS, dtype=torch.float16):
-    """A real SGLang host pool of `pages` pages (plus the slot SGLang reserves) over tiny device buffers."""
-    tokens = pages * PAGE
-    common = dict(host_to_device_ratio=1.0, host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
+def tiny_checkpoint(root: Path, weights: bytes = bytes(range(256)) * 64) -> Path:
+    """A model folder as SGLang loads one: a config and a weights file (whose bytes the namespace names)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": LAYERS}))
+    (root / "model.safetensors").write_bytes(weights)
+    return root
+
+
+def published(**server_args):
+    """SGLang's server args published for this process (its other arguments at their defaults)."""
+    return get_context().override_server_args(**server_args)
+
+
+def host_pool(attention: str, layout: str, pages: int = 16, heads: int = HEADS, dtype=torch.float16,
+              page: int = PAGE, cls=None):
+    """A real SGLang host pool (of class `cls`, default SGLang's for `attention`) of `pages`
+    pages (plus the slot SGLang reserves) over tiny device buffers."""
+    tokens = pages * page
+    common = dict(host_to_device_ratio=1.0, host_size=0, page_size=page, layout=layout, pin_memory=False,
                   device="cpu", device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS,
                   host_token_capacity=tokens)
     if attention == "mla":
-        rows = tuple(torch.zeros(tokens + PAGE, 1, LATENT, dtype=dtype) for _ in range(LAYERS))
+        rows = tuple(torch.zeros(tokens + page, 1, LATENT, dtype=dtype) for _ in range(LAYERS))
         info = MLABufferInfo(buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(LAYERS)),
-                             device_layer_num=LAYERS, page_size=PAGE, kv_lora_rank=LATENT - 4,
+                             device_layer_num=LAYERS, page_size=page, kv_lora_rank=LATENT - 4,
                              qk_rope_head_dim=4, kv_cache_dim=LATENT, dtype=dtype, device=CPU)
-        return MLATokenToKVPoolHost(info, target_layer_num=LAYERS, **common)
-    k = tuple(torch.zeros(tokens + PAGE, heads, DIM, dtype=dtype) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens + PAGE, heads, DIM, dtype=dtype) for _ in range(LAYERS))
+        return (cls or MLATokenToKVPoolHost)(info, target_layer_num=LAYERS, **common)
+    k = tuple(torch.zeros(tokens + page, heads, DIM, dtype=dtype) for _ in range(LAYERS))
+    v = tuple(torch.zeros(tokens + page, heads, DIM, dtype=dtype) for _ in range(LAYERS))
     info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
                                            layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=heads, head_dim=DIM, v_head_dim=DIM, dtype=dtype, device=CPU)
-    return MHATokenToKVPoolHost(info, **common)
+                         page_size=page, head_num=heads, head_dim=DIM, v_head_dim=DIM, dtype=dtype, device=CPU)
+    return (cls or MHATokenToKVPoolHost)(info, **common)
 
 
 def _ptrs(tensors) -> torch.Tensor:
@@ -68,23 +85,31 @@ class _MHADevicePool(_DevicePool, MHATokenToKVPool):
         pass
 
 
-class _Allocator:
-    def __init__(self, attention: str) -> None:
-        self.pool = _MLADevicePool() if attention == "mla" else _MHADevicePool()
+def device_pool(attention: str) -> _DevicePool:
+    return _MLADevicePool() if attention == "mla" else _MHADevicePool()
+
+
+class Allocator:
+    """What the controller reads of a token allocator: its device pool."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
 
     def get_kvcache(self):
         return self.pool
 
 
 @contextlib.contextmanager
-def controller(pool, backend: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="tiny/model"):
-    """SGLang's HiCacheController over `pool` with L3 `backend`, its threads stopped on exit."""
+def controller(pool, backend: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="tiny/model", metrics=False):
+    """SGLang's HiCacheController over `pool` with L3 `backend` (storage metrics on with
+    `metrics`), its threads stopped on exit."""
     with get_parallel().override(tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1],
                                  attn_dcp_size=1, attn_dcp_rank=0):
         attention = "mla" if isinstance(pool, MLATokenToKVPoolHost) else "mha"
-        ctl = HiCacheController(_Allocator(attention), pool, PAGE, tp_group=None, load_cache_event=threading.Event(),
-                                write_policy="write_through", storage_backend=backend, model_name=model,
-                                storage_backend_extra_config=dict(extra))
+        ctl = HiCacheController(Allocator(device_pool(attention)), pool, PAGE, tp_group=None,
+                                load_cache_event=threading.Event(), write_policy="write_through",
+                                storage_backend=backend, model_name=model,
+                                storage_backend_extra_config=dict(extra), enable_storage_metrics=metrics)
     try:
         yield ctl
     finally:

@@ -49,7 +49,7 @@ from tests.plugins.sglang import cpu_stubs
 cpu_stubs.install()
 from tests.plugins.sglang import harness as h
 pool = h.host_pool("mha", "page_head")
-with h.controller(pool, "dynamic", json.loads(sys.argv[1])) as ctl:
+with h.published(model_path=sys.argv[3]), h.controller(pool, "dynamic", json.loads(sys.argv[1])) as ctl:
     done, slots = h.prefetch(ctl, pool, json.loads(sys.argv[2]))
     pages = [pool.get_data_page(int(slots[i * h.PAGE])).float().sum().item() for i in range(done // h.PAGE)]
 print(json.dumps({"done": done, "sums": pages}))
@@ -57,13 +57,13 @@ print(json.dumps({"done": done, "sums": pages}))
 
 
 @pytest.mark.timeout(120)
-def test_a_new_process_reads_what_another_wrote(dynamic):
+def test_a_new_process_reads_what_another_wrote(dynamic, checkpoint):
     pool = h.host_pool("mha", "page_head")
     tokens = list(range(40, 40 + 5 * h.PAGE))
     with h.controller(pool, "dynamic", dynamic) as ctl:
         slots, ref = fill(pool, 5, seed=7)
         assert h.back_up(ctl, tokens, slots) == 5 * h.PAGE
-    out = subprocess.run([sys.executable, "-c", READER, json.dumps(dynamic), json.dumps(tokens)],
+    out = subprocess.run([sys.executable, "-c", READER, json.dumps(dynamic), json.dumps(tokens), str(checkpoint)],
                          capture_output=True, text=True, timeout=110, cwd=str(__import__("pathlib").Path.cwd()))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
