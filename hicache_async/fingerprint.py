@@ -4,7 +4,10 @@ A name or a path is not content: a fine-tune saved over the last one keeps both,
 differs. So a checkpoint is named by its files: every file's name and size, a digest of every
 small file (configs, tokenizer), and a digest of sampled bytes of every weight file (its head,
 its tail and evenly spaced blocks between), which reads a few MiB however large the weights
-are. An adapter is small, so it is named by a digest of all of its bytes.
+are. An adapter is small, so it is named by a digest of all of its bytes. Neither names a
+file's time or place, so copies of one checkpoint on a fleet's machines share; a change that
+touches no sampled byte of a large file (and keeps its size) is not seen, which a fine-tune
+that rewrites every tensor never is.
 """
 from __future__ import annotations
 
@@ -44,8 +47,8 @@ def checkpoint_fingerprint(path: str | os.PathLike, settings: dict | None = None
 
 
 def adapter_fingerprint(path: str | os.PathLike) -> str:
-    """16 hex digits naming an adapter folder by all of its bytes; None-free: a missing path
-    is a UsageError naming it."""
+    """16 hex digits naming an adapter folder by all of its bytes; a missing path is a
+    UsageError naming it."""
     root = Path(path)
     if not root.exists():
         raise UsageError(f"adapter {str(path)!r} is not a local folder: its weights cannot be fingerprinted")
