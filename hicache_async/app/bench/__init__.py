@@ -15,6 +15,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     from .sglang_figures import sglang_figures
     from .storage_figures import storage_figures
     from .vllm_figures import vllm_figures
+    from .vllm_serve_figures import vllm_serve_figures
 
     n = 1 if quick else 4
     return {
@@ -25,6 +26,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "storage": lambda: storage_figures(quick=quick),
         "sglang": lambda: sglang_figures(quick=quick),
         "vllm": lambda: vllm_figures(quick=quick),
+        "vllm-serve": lambda: vllm_serve_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }

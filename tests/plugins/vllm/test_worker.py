@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
-from hicache_vllm.plan import Commit, Job, Move, StepPlan
+from hicache_vllm.plan import Job, Move, StepPlan
 from hicache_vllm.settings import Settings
 from hicache_vllm.worker import WorkerSide
 
@@ -36,27 +37,27 @@ def stored(w: WorkerSide) -> list[str]:
     return hashes
 
 
-def test_a_prefetch_lands_verified_pages_that_a_commit_copies_into_their_slots():
+def test_a_prefetch_reads_verified_pages_straight_into_its_slots():
     w, _ = worker(read_s=0.0, timeout_s=5.0)
     hashes = stored(w)
-    assert w._prefetch(Job(1, hashes, NO_TENANT)) == 4
-    w._commit(Commit(1, [0, 1, 2, 3], [7, 6, 5, 4]))
-    assert torch.equal(w.host.tensor[[7, 6, 5, 4]], w.host.tensor[:4])
-    assert w.landing.alloc.free == 8
+    expected = w.host.tensor[:4].clone()
+    assert w._prefetch(Job(1, hashes, NO_TENANT, slots=[7, 6, 5, 4])) == 4
+    assert torch.equal(w.host.tensor[[7, 6, 5, 4]], expected)
+    report = w.reports()
+    assert report is None or not report.held
 
 
-def test_a_read_given_up_on_keeps_its_landing_pages_until_it_returns():
+def test_a_read_given_up_on_reports_its_slots_held_until_it_returns():
     w, slow = worker(read_s=1.0, timeout_s=0.2)
     hashes = stored(w)
-    assert w._prefetch(Job(1, hashes, NO_TENANT)) == 0          # a miss: the read ran past its deadline
-    assert w.landing.alloc.free == 4                            # its four pages are held...
-    w._commit(Commit(1, [], []))
-    assert w.landing.alloc.free == 4                            # ...even once the job is committed
+    assert w._prefetch(Job(1, hashes, NO_TENANT, slots=[4, 5, 6, 7])) == 0   # a miss: past its deadline
+    assert w.reports().held == Counter({4: 1, 5: 1, 6: 1, 7: 1})
     deadline = time.monotonic() + 10
     while slow.late_reads == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.1)
-    assert slow.late_reads == 1 and w.landing.alloc.free == 8   # it wrote them late, then let go
+    report = w.reports()
+    assert slow.late_reads == 1 and report.released == Counter({4: 1, 5: 1, 6: 1, 7: 1})
     w.close()
 
 
@@ -77,9 +78,8 @@ def test_a_slot_is_rewritten_only_after_every_backup_reading_it():
     w.finish(StepPlan(saves=[Move("r", [0], [3])]))              # a new page into slot 0
     assert torch.equal(w.host.tensor[0, 0], kv[0][3])
     w.close()                                                     # every backup done
-    assert w._prefetch(Job(2, hashes[:5], NO_TENANT)) == 5
-    landed = w._landed.pop(2)
-    assert torch.equal(w.landing.tensor[landed], before[[4, 5, 6, 7, 0]])
+    assert w._prefetch(Job(2, hashes[:5], NO_TENANT, slots=[1, 2, 3, 4, 5])) == 5
+    assert torch.equal(w.host.tensor[[1, 2, 3, 4, 5]], before[[4, 5, 6, 7, 0]])
 
 
 def test_a_slot_whose_reader_outlasts_the_deadline_turns_stale_and_its_loads_are_errors():
@@ -93,4 +93,19 @@ def test_a_slot_whose_reader_outlasts_the_deadline_turns_stale_and_its_loads_are
     w.start(StepPlan(loads=[Move("s", [2, 3], [0, 1])]))
     assert w.load_errors() == {0}
     w.finish(StepPlan())
+    w.close()
+
+
+def test_a_load_does_not_wait_for_a_backup_reading_its_slot():
+    kv = [torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    w = WorkerSide(Settings(storage="none", host_pages=8, storage_timeout=5.0), LAYOUT, RankCoords(), kv)
+    w.store = guarded_store(SlowWrites(slow_write_s=2.0), "slow", LAYOUT, RankCoords(),
+                            CacheConfig(storage_timeout_s=5.0))
+    w.host.tensor[2] = torch.randn(*w.host.tensor.shape[1:]).to(torch.bfloat16)
+    w.finish(StepPlan(backups=[Job(0, page_hashes(range(4), 4), NO_TENANT, slots=[2])]))
+    started = time.monotonic()
+    w.start(StepPlan(loads=[Move("r", [2], [5])]))
+    w.copies.wait_all()
+    assert time.monotonic() - started < 1.0 and w.readers.busy() == 1      # the backup still reads slot 2
+    assert torch.equal(kv[0][5], w.host.tensor[2, 0]) and torch.equal(kv[1][5], w.host.tensor[2, 1])
     w.close()
