@@ -8,6 +8,7 @@ pages any of them verified.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -25,7 +26,7 @@ class Move:
 @dataclass
 class Job:
     """Work with L3: a backup stores host `slots` under `hashes`; a prefetch reads `hashes`
-    into landing pages of the worker's own, verified, until the first that fails."""
+    into host `slots` (held for it, in no page's use), verified, until the first that fails."""
 
     job: int
     hashes: list[str]
@@ -36,39 +37,32 @@ class Job:
 
 
 @dataclass
-class Commit:
-    """A finished prefetch's pages (by place in the job) into host slots; it frees the job's
-    landing pages, so every finished prefetch gets one, if empty."""
-
-    job: int
-    pages: list[int]
-    slots: list[int]
-
-
-@dataclass
 class StepPlan(KVConnectorMetadata):
     """In the order a worker carries it out."""
 
     evictions: list[Job] = field(default_factory=list)    # host -> L3 before the slots are reused
-    commits: list[Commit] = field(default_factory=list)   # landing -> host
     loads: list[Move] = field(default_factory=list)       # host -> blocks, before the forward pass
     saves: list[Move] = field(default_factory=list)       # blocks -> host, after it
     backups: list[Job] = field(default_factory=list)      # host -> L3, in the background
-    prefetches: list[Job] = field(default_factory=list)   # L3 -> landing, in the background
+    prefetches: list[Job] = field(default_factory=list)   # L3 -> host slots, in the background
     idle: bool = False                                    # no forward pass: only L3 is awaited
 
 
 @dataclass
 class JobReports(KVConnectorWorkerMetadata):
-    """Per finished job: (workers that reported it, fewest pages verified or stored); and the
-    host slots a worker left stale (their pages must not be loaded)."""
+    """Per finished job: (workers that reported it, fewest pages verified or stored); the host
+    slots a worker left stale (their pages must not be loaded); and, per host slot, how many
+    workers' abandoned reads may still write into it (`held`), or have since returned
+    (`released`): the slot is free for reuse only when every hold is released."""
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
-    stale: set[int] = field(default_factory=set)     # host slots some worker could not rewrite
+    stale: set[int] = field(default_factory=set)
+    held: Counter = field(default_factory=Counter)
+    released: Counter = field(default_factory=Counter)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
         merged = dict(self.done)
         for job, (reports, pages) in other.done.items():
             seen, least = merged.get(job, (0, pages))
             merged[job] = (seen + reports, min(least, pages))
-        return JobReports(merged, self.stale | other.stale)
+        return JobReports(merged, self.stale | other.stale, self.held + other.held, self.released + other.released)

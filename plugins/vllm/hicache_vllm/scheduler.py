@@ -4,7 +4,7 @@ A prompt's pages are named by our chained page hash over its token ids and every
 that decides their KV (`request_keys.py`), so a new process, or another engine over the same
 L3, names them alike, and a request with another adapter or other embeddings names them apart. A request whose prefix
 runs on past vLLM's own cache and our host tier waits one step while the workers read the
-rest from L3 into host slots, each object verified; the hit vLLM then loads is only what every
+rest from L3 straight into host slots held for it, each object verified; the hit vLLM then loads is only what every
 worker verified, so a missing, corrupt, forged or stale object shortens the hit and never
 becomes KV; a read that outlasts `storage_timeout` is not waited for (the prefix is
 recomputed). Host-tier hits load synchronously, layer by layer, beside the forward pass.
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from hicache_async.keys import tenant_digest
 
 from .host_index import HostIndex
-from .plan import Commit, Job, JobReports, Move, StepPlan
+from .plan import Job, JobReports, Move, StepPlan
 from .request_keys import RequestKeys, reads_external
 from .settings import Settings
 from .tier_events import TierEvents
@@ -54,11 +54,13 @@ class SchedulerSide:
         self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
         self.jobs: dict[int, tuple[Job, str, float]] = {}   # unfinished, with their kind and start
         self.backing_up: set[str] = set()               # pages of unfinished backups
+        self.held: Counter[int] = Counter()             # slots abandoned reads may still write, by workers
+        self.spare: set[int] = set()                    # held slots no page uses: free once released
         self.reports = JobReports()                     # of jobs not every worker has reported yet
         self.stored_l3: OrderedDict[str, None] = OrderedDict()   # pages known to be in L3, the latest
         self.uses: OrderedDict[str, int] = OrderedDict()         # uses per page (selective write-through)
         self.plan = StepPlan()
-        self.events = TierEvents(page_size)
+        self.events = TierEvents(page_size, settings.host_pages, KNOWN_PAGES)
         self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
         self._ids = itertools.count()
 
@@ -83,8 +85,8 @@ class SchedulerSide:
         missing = stop - start - run
         if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
             st.looked_in_l3 = True
-            self._prefetch(st, st.hashes[start + run:stop])
-            return None, False
+            if self._prefetch(st, st.hashes[start + run:stop]):
+                return None, False
         st.looked_in_l3 = True
         st.load = (start, self.index.slots(st.hashes[start:start + run])) if run else None
         return run * self.page_size, False
@@ -108,7 +110,7 @@ class SchedulerSide:
         self._use(st, range(first, first + len(slots)))
 
     def build(self, scheduled: dict[str, int], block_ids) -> StepPlan:
-        """This step's plan: what was decided since the last one (commits, prefetches), the
+        """This step's plan: what was decided since the last one (prefetches, evictions), the
         loads decided at allocation, and the saves of every page this step completes."""
         plan, self.plan = self.plan, StepPlan()
         for req_id in [r for r in self.loading if r in scheduled]:
@@ -140,6 +142,12 @@ class SchedulerSide:
         if reports is None:
             return
         self.events.removed(self.index.forget_slots(reports.stale), "CPU")
+        self.held.update(reports.held)
+        self.held.subtract(reports.released)
+        free = [s for s in self.spare if self.held[s] <= 0]
+        self.spare.difference_update(free)
+        self.index.give_back(free)
+        self.held = +self.held
         self.reports = self.reports.aggregate(JobReports(reports.done))
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
@@ -154,10 +162,18 @@ class SchedulerSide:
         plan_list.append(job)
         return job
 
-    def _prefetch(self, st: RequestPages, hashes: list[str]) -> None:
+    def _prefetch(self, st: RequestPages, hashes: list[str]) -> bool:
+        """Read `hashes` from L3 into host slots taken (and pinned) for it now; False when no
+        slot is free."""
+        slots = self._take(self.plan, len(hashes))
+        if not slots:
+            return False
+        self.index.pin(slots)
+        hashes = hashes[:len(slots)]
         st.job = self._job(self.plan.prefetches, "prefetch", hashes, tenant_digest(st.request.cache_salt),
-                           req_ids=[st.request.request_id]).job
+                           slots, req_ids=[st.request.request_id]).job
         self.counts["l3_looked_pages"] += len(hashes)
+        return True
 
     def _overdue(self, job_id: int) -> bool:
         """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
@@ -247,16 +263,24 @@ class SchedulerSide:
                 self.index.pin(job.slots, -1)
             self.events.stored_hashes(job.hashes[:pages], "STORAGE")
             return
-        fresh = [i for i in range(pages) if job.hashes[i] not in self.index.slot_of]
-        slots = self._take(self.plan, len(fresh))
-        for i, s in zip(fresh, slots):
-            self.index.put(job.hashes[i], s, job.tenant, from_l3=True)
-        self.plan.commits.append(Commit(job_id, fresh[:len(slots)], slots))
-        self.counts["l3_prefetched_pages"] += len(slots)
+        self.index.pin(job.slots, -1)
+        spare, put = [], []
+        for i, (h, slot) in enumerate(zip(job.hashes, job.slots)):
+            if i < pages and h not in self.index.slot_of:
+                self.index.put(h, slot, job.tenant, from_l3=True)
+                put.append(h)
+            else:
+                spare.append(slot)
+        self.counts["l3_prefetched_pages"] += len(put)
+        self.index.give_back([s for s in spare if self.held[s] <= 0])
+        self.spare.update(s for s in spare if self.held[s] > 0)
         for req_id in job.req_ids:
             st = self.requests.get(req_id)
             if st is not None:
                 st.job = None
+                self.events.stored_hashes(job.hashes[:pages], "STORAGE", st.request, st.hashes)
+                self.events.stored_hashes(put, "CPU", st.request, st.hashes)
+        self.events.removed(job.hashes[pages:pages + 1], "STORAGE")     # missing or damaged: not there
 
 
 def _forget_oldest(known: OrderedDict) -> None:

@@ -1,12 +1,32 @@
-"""Per-tier counts for vLLM's connector stats: each interval's sums, which vLLM adds across
-workers and the scheduler and logs, so an operator sees where prefixes came from and what L3
-refused (corrupt, forged, missing objects, failed calls)."""
+"""What the connector tells vLLM's stats each interval, which vLLM adds across workers and
+the scheduler, logs, and hands to our Prometheus metrics (`prom.py`):
+
+- counts (`int`): each interval's increase of a running total (pages, tokens, bytes, rejected
+  objects, failed calls); summed;
+- samples (`SAMPLES`, lists of seconds, one per L3 call): concatenated, so a histogram sees
+  every call of every worker;
+- gauges (`GAUGES`, {process: value}): the latest value per worker process, summed over them
+  when read, so a sum across workers and a merge across intervals both come out right.
+
+A worker's L3 call times and backup queue are observed in its process (`Observed`): vLLM
+asks the connector for stats, not the worker's parts.
+"""
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from hicache_async.storage.wrapping import WrappingStorage
+
+SAMPLES = ("l3_read_seconds", "l3_write_seconds")
+GAUGES = ("backup_queue_pages",)
+MAX_SAMPLES = 4096      # per kind and interval (one engine step): the rest of a flood is dropped
+_OPS = {"batch_get": "l3_read_seconds", "batch_set": "l3_write_seconds"}
 
 
 @dataclass
@@ -15,23 +35,102 @@ class HiCacheStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "HiCacheStats":
-        return HiCacheStats(dict(Counter(self.data) + Counter(other.data)))
+        merged = dict(self.data)
+        for key, value in other.data.items():
+            mine = merged.get(key)
+            if mine is None:
+                merged[key] = value
+            elif isinstance(value, list):
+                merged[key] = mine + value
+            elif isinstance(value, dict):
+                merged[key] = {**mine, **value}
+            else:
+                merged[key] = mine + value
+        return HiCacheStats(merged)
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """One line of vLLM's log: counts, gauges summed, each sample list as its count and mean."""
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                out[f"{key}_calls"] = len(value)
+                out[f"{key}_mean"] = round(sum(value) / len(value), 6) if value else 0.0
+            elif isinstance(value, dict):
+                out[key] = sum(value.values())
+            else:
+                out[key] = value
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
-class Deltas:
-    """What changed in a set of running totals since the last `take`."""
+class Observed:
+    """This process's L3 call seconds since the last interval, and its backup queue."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: dict[str, list[float]] = {name: [] for name in SAMPLES}
+        self._queue = None      # () -> pages the worker's backups still read
+
+    def timed(self, adapter, backup_queue) -> "TimedStorage":
+        """`adapter`, each read and write timed; `backup_queue()` is the worker's queue depth."""
+        self._queue = backup_queue
+        return TimedStorage(adapter, self)
+
+    def record(self, name: str, seconds: float) -> None:
+        with self._lock:
+            if len(self._samples[name]) < MAX_SAMPLES:
+                self._samples[name].append(seconds)
+
+    def take(self) -> dict:
+        """The samples since the last take (drained), and the gauges now."""
+        with self._lock:
+            out = {name: samples for name, samples in self._samples.items() if samples}
+            self._samples = {name: [] for name in SAMPLES}
+        if self._queue is not None:
+            out["backup_queue_pages"] = {str(os.getpid()): self._queue()}
+        return out
+
+
+OBSERVED = Observed()
+
+
+class TimedStorage(WrappingStorage):
+    """Times every read (`batch_get`) and write (`batch_set`) call, failed or not: a call that
+    ran into its deadline is the latency a request waited."""
+
+    def __init__(self, inner, observed: Observed) -> None:
+        super().__init__(inner)
+        self.observed = observed
+
+    def _through(self, op: str, keys: list[str], call):
+        name = _OPS.get(op)
+        if name is None:
+            return call()
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.observed.record(name, time.perf_counter() - started)
+
+
+class Deltas:
+    """What changed since the last `take`: running totals as increases, this process's samples
+    (`OBSERVED`), and its gauges when they moved (from zero, at first)."""
+
+    def __init__(self, observed: Observed = OBSERVED) -> None:
         self._last: Counter = Counter()
+        self._gauges: dict = {}
+        self.observed = observed
 
     def take(self, totals: dict[str, int]) -> HiCacheStats | None:
         now = Counter({k: v for k, v in totals.items() if v})
-        delta = now - self._last
+        data = dict(now - self._last)
         self._last = now
-        return HiCacheStats(dict(delta)) if delta else None
+        for key, value in self.observed.take().items():
+            if key not in GAUGES:
+                data[key] = value
+            elif value != self._gauges.get(key, {k: 0 for k in value}):    # moved (from zero, at first)
+                data[key] = self._gauges[key] = value
+        return HiCacheStats(data) if data else None

@@ -1,53 +1,130 @@
 """KV events for our tiers (medium CPU for the host tier, STORAGE for L3), so a router that
-follows vLLM's events (llm-d, Dynamo) sees where a prefix lives beyond the GPU.
+follows vLLM's events (Dynamo, llm-d) sees where a prefix lives beyond the GPU.
 
-Events name blocks by vLLM's own block hash, as its GPU events do, so a router matches them;
-a page whose vLLM hash this process never saw (read from L3 that another wrote) goes by ours.
+A router rebuilds its own hashes from each block's token ids and links blocks by vLLM's
+block hashes; Dynamo's indexer drops a block whose token ids are shorter than its size. So
+every `BlockStored` is what vLLM's own GPU events are: vLLM's block hashes, the blocks'
+token ids, size, parent, LoRA id and extra keys. A page is announced once per tier and
+withdrawn (`BlockRemoved`) when it leaves. Only what later events need is kept:
+
+- a page in the host tier keeps its whole `Block`, for the STORAGE event its backup sends
+  when it completes; so does a page that left the tier, for a backup still under way
+  (write_back stores pages as they leave), at most `host_pages` of them, the oldest dropped;
+- a page announced in L3 keeps only vLLM's hash of it, for its removal: at most `l3_pages`
+  (the scheduler's memory of L3), the oldest forgotten.
+A page no event of ours can name with its tokens (read from an L3 that another process
+wrote, for a request gone since) is not announced: a router would drop the event anyway.
 """
 from __future__ import annotations
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
 
-KNOWN_HASHES = 1 << 16   # vLLM hashes remembered for removal events, at most
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.request import Request
+
+from .settings import DEFAULT_HOST_PAGES
+
+L3_PAGES = 1 << 20      # pages announced in L3 remembered, at most: the scheduler's KNOWN_PAGES
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One page as vLLM's events name it; token ids 4 bytes each."""
+
+    hash: object            # vLLM's ExternalBlockHash (an int by default, else bytes)
+    parent: object | None
+    tokens: array
+    lora_id: int | None
+    lora_name: str | None
+    extra: tuple | None     # vLLM's untagged extra keys of this block
+    session_id: str | None  # the session whose request stored it
 
 
 class TierEvents:
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    def __init__(self, page_size: int, host_pages: int = DEFAULT_HOST_PAGES, l3_pages: int = L3_PAGES) -> None:
+        self.page_size, self.host_pages, self.l3_pages = page_size, host_pages, l3_pages
         self.pending: list[KVCacheEvent] = []
-        self._vllm: dict[str, object] = {}    # our page hash -> vLLM's, for later events
-
-    def _external(self, page_hash: str):
-        known = self._vllm.get(page_hash)
-        return known if known is not None else bytes.fromhex(page_hash)
+        self._host: dict[str, Block] = {}                       # our page hash -> its block
+        self._left: OrderedDict[str, Block] = OrderedDict()     # left the host tier, oldest first
+        self._l3: OrderedDict[str, object] = OrderedDict()      # announced in L3 -> vLLM's hash
 
     def stored(self, request, pages: list[int], ours: list[str], medium: str) -> None:
         """The request's `pages` (indices; `ours` are its page hashes) are now held in `medium`."""
-        hashes = list(getattr(request, "block_hashes", ()) or ())
-        if len(hashes) < max(pages) + 1:
-            return
-        for p in pages:
-            if len(self._vllm) < KNOWN_HASHES:
-                self._vllm[ours[p]] = maybe_convert_block_hash(hashes[p])
-            start = p * self.page_size
-            self.pending.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(hashes[p])],
-                parent_block_hash=maybe_convert_block_hash(hashes[p - 1]) if p else None,
-                token_ids=list(request.all_token_ids[start:start + self.page_size]), block_size=self.page_size,
-                lora_id=None, medium=medium, lora_name=None))
+        named = len(getattr(request, "block_hashes", ()) or ())     # vLLM hashes full blocks only
+        self._announce([(ours[p], _block(request, p, self.page_size)) for p in pages if p < named], medium)
 
-    def stored_hashes(self, hashes: list[str], medium: str) -> None:
-        """Pages known only by our hash are now held in `medium` (no token ids at hand)."""
-        if hashes:
-            self.pending.append(BlockStored(block_hashes=[self._external(h) for h in hashes],
-                                            parent_block_hash=None, token_ids=[], block_size=self.page_size,
-                                            lora_id=None, medium=medium, lora_name=None))
+    def stored_hashes(self, hashes: list[str], medium: str, request=None, ours: list[str] = ()) -> None:
+        """Pages known by our hash are now held in `medium` (a backup or a prefetch finished);
+        `request`, whose page hashes are `ours`, names those this object has not seen."""
+        at = {h: p for p, h in enumerate(ours)} if request is not None else {}
+        named = []
+        for h in hashes:
+            block = self._host.get(h) or self._left.get(h)
+            if block is None and h in at and at[h] < len(request.block_hashes):
+                block = _block(request, at[h], self.page_size)
+            if block is not None:
+                named.append((h, block))
+        self._announce(named, medium)
 
     def removed(self, hashes: list[str], medium: str) -> None:
-        if hashes:
-            self.pending.append(BlockRemoved(block_hashes=[self._external(h) for h in hashes], medium=medium))
+        """Pages that left `medium`: withdrawn, those that were announced."""
+        gone = []
+        for h in hashes:
+            if medium == MEDIUM_CPU and h in self._host:
+                block = self._left[h] = self._host.pop(h)
+                gone.append(block.hash)
+                if len(self._left) > self.host_pages:
+                    self._left.popitem(last=False)
+            elif medium == MEDIUM_STORAGE and h in self._l3:
+                gone.append(self._l3.pop(h))
+        if gone:
+            self.pending.append(BlockRemoved(block_hashes=gone, medium=medium))
 
     def take(self) -> list[KVCacheEvent]:
         out, self.pending = self.pending, []
         return out
+
+    def _announce(self, pages: list[tuple[str, Block]], medium: str) -> None:
+        """A `BlockStored` for each of `pages` not yet announced in `medium`."""
+        for h, block in pages:
+            if medium == MEDIUM_CPU:
+                if h in self._host:
+                    continue
+                self._host[h] = block
+                self._left.pop(h, None)
+            elif medium == MEDIUM_STORAGE:
+                if h in self._l3:
+                    continue
+                self._l3[h] = block.hash
+                if len(self._l3) > self.l3_pages:
+                    self._l3.popitem(last=False)
+            self.pending.append(BlockStored(
+                block_hashes=[block.hash], parent_block_hash=block.parent, token_ids=block.tokens.tolist(),
+                block_size=self.page_size, lora_id=block.lora_id, medium=medium, lora_name=block.lora_name,
+                extra_keys=None if block.extra is None else [block.extra], group_idx=0,
+                session_id=block.session_id))
+
+
+def _block(request, page: int, page_size: int) -> Block:
+    """Page `page` of a vLLM request, as its GPU events would name the block."""
+    hashes, start = request.block_hashes, page * page_size
+    lora = getattr(request, "lora_request", None)
+    return Block(hash=maybe_convert_block_hash(hashes[page]),
+                 parent=maybe_convert_block_hash(hashes[page - 1]) if page else None,
+                 tokens=array("i", request.all_token_ids[start:start + page_size]),
+                 lora_id=lora.adapter_id if lora is not None else None,
+                 lora_name=lora.name if lora is not None else None,
+                 extra=_extra_keys(request, start, start + page_size),
+                 session_id=getattr(request, "session_id", None))
+
+
+def _extra_keys(request, start: int, end: int) -> tuple | None:
+    """vLLM's own extra keys of a block (LoRA, multimodal items, cache salt, prompt embeddings),
+    untagged as its events carry them; a stand-in for vLLM's Request (a test's) has none."""
+    if not isinstance(request, Request):
+        return None
+    keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    return to_event_extra_keys([keys])[0]

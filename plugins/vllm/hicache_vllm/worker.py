@@ -4,22 +4,24 @@ Copies between vLLM's blocks and the host pool run on the step's own thread (a C
 stream on a GPU), loads layer by layer as the forward pass asks for them. L3 work runs in the
 background on an anyio event loop of the worker's own (a blocking portal), its storage calls
 on worker threads under one capacity limiter per kind; each finished job is reported once.
-A prefetch reads into landing pages of its own, never into host slots: an L3 call given up
-on may still write into its pages, and those stay out of use until it returns, so late bytes
-never reach a page vLLM reads. A slot a backup still reads is not written until it is done
-(`SlotReaders`); loads only read slots, so they never wait for backups.
+A prefetch reads straight into the host slots the scheduler held for it, no page's yet, so a
+verified page is in its slot with no copy; an L3 call given up on may still write into the
+slots past the verified run, and they are reported held until it returns, so the scheduler
+gives them to no page before then and late bytes never reach a page vLLM reads. A slot a
+backup still reads is not written until it is done (`SlotReaders`); loads only read slots,
+so they never wait for backups.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import threading
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import anyio
 import anyio.from_thread
 import structlog
-import torch
 
 from hicache_async.errors import StorageError
 from hicache_async.kinds import TransferKind
@@ -32,7 +34,7 @@ from hicache_async.transfer.l3_session import l3_session
 
 from . import shutdown
 from .layer_copies import LayerCopies
-from .plan import Commit, Job, JobReports, Move, StepPlan
+from .plan import Job, JobReports, Move, StepPlan
 from .settings import Settings
 from .slot_readers import SlotReaders
 from .stats import OBSERVED
@@ -47,7 +49,6 @@ class WorkerSide:
         if not spans.tracing_enabled():     # OTLP as the OTEL_* variables say; vLLM keeps its logs
             setup_telemetry(service_name="hicache-vllm", coords=coords, logs=False)
         self.host = HostPool(layout, settings.host_pages)
-        self.landing = HostPool(layout, settings.host_pages)
         self.copies = LayerCopies(kv, self.host)
         self._stack = contextlib.ExitStack()
         self.store = self._open_store(coords) if settings.storage != "none" else None
@@ -56,7 +57,8 @@ class WorkerSide:
         self._lock = threading.Lock()
         self.readers = SlotReaders()
         self._load_errors: set[int] = set()             # vLLM blocks a load could not fill
-        self._landed: dict[int, list[int]] = {}        # finished prefetch -> its landing pages
+        self._held: Counter[int] = Counter()            # slots late reads may write: to report...
+        self._released: Counter[int] = Counter()        # ...and those whose late reads returned
         self._finished: dict[int, int] = {}            # job -> pages, not yet reported
         self._running: set[Future] = set()
         self._prefetching: set[Future] = set()
@@ -86,8 +88,6 @@ class WorkerSide:
         slots, and this step's loads start."""
         for job in plan.evictions:
             self._background("backup", job)
-        for commit in plan.commits:
-            self._commit(commit)
         loads = [self._loadable(move) for move in plan.loads]
         self._load_span = self._moves_span(TransferKind.LOAD, loads)
         self.copies.load(loads)
@@ -170,7 +170,8 @@ class WorkerSide:
         if self.store is not None:
             c = self.store.counters
             totals.update(l3_corrupt_objects=c.corrupt_objects, l3_forged_objects=c.forged_objects,
-                          l3_missing_objects=c.missing_objects, l3_errors=c.storage_errors,
+                          l3_missing_objects=c.missing_objects, l3_healed_objects=c.healed_objects,
+                          l3_errors=c.storage_errors,
                           l3_bytes_written=c.bytes_written, l3_bytes_read=c.bytes_read)
         return totals
 
@@ -178,10 +179,12 @@ class WorkerSide:
         """Finished jobs, and the slots that turned stale (the scheduler forgets their pages)."""
         with self._lock:
             done, self._finished = self._finished, {}
+            held, self._held = self._held, Counter()
+            released, self._released = self._released, Counter()
         stale = set(self.readers.stale)
-        if not done and not stale:
+        if not (done or stale or held or released):
             return None
-        return JobReports({job: (1, pages) for job, pages in done.items()}, stale)
+        return JobReports({job: (1, pages) for job, pages in done.items()}, stale, held, released)
 
     # -- L3 --------------------------------------------------------------------------------
 
@@ -217,36 +220,27 @@ class WorkerSide:
         return stored
 
     def _prefetch(self, job: Job) -> int:
-        with self._lock:
-            pages = self.landing.alloc.alloc(min(len(job.hashes), self.landing.alloc.free))
-        result = self.store.prefetch(job.hashes[:len(pages)], self.landing, pages, tenant=job.tenant)
-        with self._lock:
-            self._landed[job.job] = pages
-        if result.late:     # pages past the verified run stay out of use until each late call returns
-            held, pages[result.pages:] = pages[result.pages:], []
+        """Read the job's pages into its slots, up to the first slot a backup still reads
+        past the deadline; slots a late call may still write into are reported held."""
+        ok = self.readers.writable(job.slots, self.settings.storage_timeout)
+        n = next((i for i, fine in enumerate(ok) if not fine), len(ok))
+        result = self.store.prefetch(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
+        self.readers.written(job.slots[:result.pages])
+        if result.late:
+            held = job.slots[result.pages:n]
             remaining = [len(result.late)]
 
             def returned() -> None:
                 with self._lock:
                     remaining[0] -= 1
                     if not remaining[0]:
-                        self.landing.alloc.release(held)
+                        self._released.update(held)
+            with self._lock:
+                self._held.update(held)
             for call in result.late:
                 call.when_returned(returned)
         self._count(l3_read_pages=result.pages)
         return result.pages
-
-    def _commit(self, commit: Commit) -> None:
-        with self._lock:
-            pages = self._landed.pop(commit.job, [])
-        ok = self.readers.writable(commit.slots, self.settings.storage_timeout)
-        moves = [(slot, pages[i]) for i, slot, fine in zip(commit.pages, commit.slots, ok) if fine]
-        if moves:
-            slots, landed = (torch.tensor(x, dtype=torch.long) for x in zip(*moves))
-            self.host.tensor[slots] = self.landing.tensor[landed]
-            self.readers.written([s for s, _ in moves])
-        with self._lock:
-            self.landing.alloc.release(pages)
 
     # -- shutdown ----------------------------------------------------------------------------
 

@@ -31,3 +31,9 @@ def gen(prompt: list[int], salt: str | None = None) -> dict:
 def same_output(a: dict, b: dict) -> bool:
     """Greedy tokens and their top-3 logprobs, exactly."""
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def tiers(result: dict) -> tuple[int, int]:
+    """(host-tier tokens, L3 tokens) of a `generate` step's prefix, from its kv_transfer_params."""
+    ours = result["params"]["hicache"]
+    return ours["host_tokens"], ours["l3_tokens"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .conftest import BLOCK, SHARED_PAGES
-from .engines import RESET, gen, run_engine, same_output
+from .engines import RESET, gen, run_engine, same_output, tiers
 
 
 def test_host_tier_serves_a_reset_prefix_exactly_as_vllms_prefix_cache(llama, prompts, cold):
@@ -10,7 +10,7 @@ def test_host_tier_serves_a_reset_prefix_exactly_as_vllms_prefix_cache(llama, pr
     first, from_host, shared = run_engine(llama, [gen(p), RESET, gen(p), RESET, gen(q)], {"storage": "none"})
     assert first["cached"] == 0 and same_output(first, cold["p"])
     assert from_host["cached"] == 288
-    assert from_host["params"] == {"hicache": {"host_tokens": 288, "l3_tokens": 0}}
+    assert tiers(from_host) == (288, 0)
     assert same_output(from_host, cold["p_prefix_cache"])
     assert shared["cached"] == SHARED_PAGES * BLOCK     # a new prompt's shared prefix, from the host tier
     assert same_output(shared, cold["q"])
@@ -20,7 +20,7 @@ def test_l3_serves_a_new_engine_process_over_the_same_path(llama, prompts, cold,
     extra = {"storage": "file", "storage_path": str(tmp_path / "l3")}
     run_engine(llama, [gen(prompts["p"])], extra)
     p, q = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["q"])], extra, by_name=True)
-    assert p["cached"] == 288 and p["params"] == {"hicache": {"host_tokens": 0, "l3_tokens": 288}}
+    assert p["cached"] == 288 and tiers(p) == (0, 288)
     assert same_output(p, cold["p_prefix_cache"])
     assert q["cached"] == SHARED_PAGES * BLOCK and same_output(q, cold["q"])
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hicache_vllm.plan import JobReports
@@ -65,20 +66,19 @@ def test_write_back_stores_a_page_only_as_it_leaves_the_host_tier():
     assert set(plan.evictions[0].slots) == set(plan.saves[0].slots)
 
 
-def test_a_prefetch_commits_only_what_every_worker_verified():
+def test_a_prefetch_serves_only_what_every_worker_verified_from_the_slots_it_read_into():
     s, req = side(workers=2), Req("a", list(range(17)))
     assert s.matched(req, 0) == (None, False)
     (job,) = s.build({}, blocks).prefetches
-    assert len(job.hashes) == 4
+    assert len(job.hashes) == 4 and len(set(job.slots)) == 4
     s.reported(JobReports({job.job: (1, 4)}))
     assert s.matched(req, 0) == (None, False)          # one worker of two has answered
     s.reported(JobReports({job.job: (1, 3)}))
-    (commit,) = s.build({}, blocks).commits
-    assert commit.pages == [0, 1, 2]
     assert s.matched(req, 0) == (12, False)
     s.allocated(req, 12)
     (load,) = computed(s, req, 5).loads
-    assert load.slots == commit.slots and load.blocks == [100, 101, 102]
+    assert load.slots == job.slots[:3] and load.blocks == [100, 101, 102]
+    assert s.index.free.free == 1                       # the fourth slot holds no page: free again
     assert s.finished(req) == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": ""}}
 
 
@@ -226,3 +226,17 @@ def test_prompt_logprobs_and_skip_reading_get_no_external_hit():
     skipping.skip_reading_prefix_cache = True
     assert s.matched(scored, 0) == (0, False) and s.matched(skipping, 0) == (0, False)
     assert s.matched(Req("d", list(range(9))), 0) == (8, False)
+
+
+def test_a_slot_a_late_read_may_write_is_given_to_no_page_until_every_worker_released_it():
+    s, req = side(workers=2, host_pages=4), Req("a", list(range(17)))
+    s.matched(req, 0)
+    (job,) = s.build({}, blocks).prefetches
+    late = job.slots[2]
+    s.reported(JobReports({job.job: (1, 2)}, held=Counter({late: 1})))
+    s.reported(JobReports({job.job: (1, 4)}, held=Counter({late: 1})))
+    assert s.index.free.free == 1 and late in s.spare                  # slot 3 free, slot 2 held
+    s.reported(JobReports(released=Counter({late: 1})))
+    assert late in s.spare                                              # one worker's read still out
+    s.reported(JobReports(released=Counter({late: 1})))
+    assert s.index.free.free == 2 and not s.spare

@@ -1,0 +1,94 @@
+"""Our tiers' KV events on vLLM's own Request objects: every stored block names its tokens,
+size, parent and LoRA under vLLM's hashes, in every tier, and leaves it once."""
+from __future__ import annotations
+
+import pytest
+from hicache_vllm.tier_events import TierEvents
+from vllm import SamplingParams
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.lora.request import LoRARequest
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+from vllm.v1.request import Request
+
+PAGE = 4
+OURS = ["h0", "h1", "h2"]
+
+
+@pytest.fixture
+def request_() -> Request:
+    """13 tokens (three full blocks) under a LoRA adapter and a cache salt."""
+    init_none_hash(sha256)
+    return Request("r", list(range(100, 113)), SamplingParams(max_tokens=1), None, cache_salt="tenant",
+                   lora_request=LoRARequest("adapter", 7, "/adapters/a"),
+                   block_hasher=get_request_block_hasher(PAGE, sha256))
+
+
+def vllm_hash(req: Request, page: int):
+    return maybe_convert_block_hash(req.block_hashes[page])
+
+
+def stored(events, medium: str) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+
+
+def test_each_stored_block_is_named_as_vllms_own_events_name_it(request_):
+    events = TierEvents(PAGE)
+    events.stored(request_, [0, 1, 2], OURS, "CPU")
+    blocks = stored(events.take(), "CPU")
+    assert [b.block_hashes for b in blocks] == [[vllm_hash(request_, p)] for p in range(3)]
+    assert [b.parent_block_hash for b in blocks] == [None, vllm_hash(request_, 0), vllm_hash(request_, 1)]
+    assert [b.token_ids for b in blocks] == [list(range(100 + 4 * p, 104 + 4 * p)) for p in range(3)]
+    assert all(b.block_size == PAGE and b.lora_id == 7 and b.lora_name == "adapter" for b in blocks)
+    assert blocks[0].extra_keys == [("adapter", "tenant")] and blocks[1].extra_keys == [("adapter",)]
+    events.stored(request_, [0, 1, 2], OURS, "CPU")
+    assert not events.take()                    # announced once per tier
+
+
+def test_a_backup_done_later_announces_its_pages_in_storage_with_their_tokens(request_):
+    events = TierEvents(PAGE)
+    events.stored(request_, [0, 1], OURS, "CPU")
+    events.removed(["h0", "h1", "never-stored"], "CPU")       # write_back: they leave, then their backup ends
+    events.take()
+    events.stored_hashes(["h0", "h1"], "STORAGE")
+    blocks = stored(events.take(), "STORAGE")
+    assert [b.token_ids for b in blocks] == [[100, 101, 102, 103], [104, 105, 106, 107]]
+    assert blocks[1].parent_block_hash == blocks[0].block_hashes[0] == vllm_hash(request_, 0)
+    events.stored_hashes(["h0"], "STORAGE")
+    events.removed(["h1"], "STORAGE")
+    (gone,) = events.take()
+    assert isinstance(gone, BlockRemoved) and gone.medium == "STORAGE" and gone.block_hashes == [vllm_hash(request_, 1)]
+
+
+def test_a_page_leaving_the_host_tier_is_withdrawn_once_and_only_if_announced(request_):
+    events = TierEvents(PAGE)
+    events.stored(request_, [0], OURS, "CPU")
+    events.take()
+    events.removed(["h0", "h2"], "CPU")
+    events.removed(["h0"], "CPU")
+    (gone,) = events.take()
+    assert gone.block_hashes == [vllm_hash(request_, 0)] and gone.medium == "CPU"
+
+
+def test_a_prefetch_names_pages_it_never_saw_by_the_request_that_read_them(request_):
+    events = TierEvents(PAGE)
+    events.stored_hashes(["h0", "h1"], "STORAGE", request_, OURS)
+    events.stored_hashes(["h0", "h1"], "CPU", request_, OURS)
+    events.stored_hashes(["unknown"], "CPU")                   # no tokens to name it by: no event
+    out = events.take()
+    assert [b.token_ids[0] for b in stored(out, "STORAGE")] == [100, 104]
+    assert [b.token_ids[0] for b in stored(out, "CPU")] == [100, 104] and len(out) == 4
+
+
+def test_what_is_remembered_is_bounded_by_the_tiers(request_):
+    events = TierEvents(PAGE, host_pages=1, l3_pages=1)
+    events.stored(request_, [0, 1], OURS, "CPU")
+    events.removed(["h0", "h1"], "CPU")           # only the latest page that left is kept for its backup
+    events.take()
+    events.stored_hashes(["h0", "h1"], "STORAGE")
+    (only,) = events.take()
+    assert only.block_hashes == [vllm_hash(request_, 1)]
+    events.stored_hashes(["h2"], "STORAGE", request_, OURS)   # L3 remembers one page: h1 is forgotten
+    events.removed(["h1", "h2"], "STORAGE")
+    out = events.take()
+    assert [e.block_hashes for e in out if isinstance(e, BlockRemoved)] == [[vllm_hash(request_, 2)]]
