@@ -24,6 +24,10 @@ class KVLayout:
     in `dim`), so our host pages are its blocks byte for byte; only the head axis must be
     named, for keys that split heads. `engine_layout` names whatever else decides the bytes
     (the engine, its version family, its kernels' layout): both go into the namespace.
+    `page_order` names the order of a whole page's bytes in its objects: "" for ours (layer by
+    layer, each in `axes` order), else a host buffer's memory order (`HostPool.page_order`),
+    set only for keys whose objects are one rank's whole pages; it goes into the namespace when
+    set, so objects in one order miss, never misread, in another.
     """
 
     num_layers: int          # layers this rank holds
@@ -39,6 +43,7 @@ class KVLayout:
     model_id: str = "tiny-ref"
     axes: tuple[str, ...] = AXES
     engine_layout: str = ""
+    page_order: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size"):
@@ -101,5 +106,6 @@ class KVLayout:
             self.attention, self.total_layers, self.total_kv_heads, self.head_dim,
             "layout=planes,tokens,heads,dim" if self.axes == AXES else "layout=" + ",".join(self.axes),
             *((self.engine_layout,) if self.engine_layout else ()),
+            *((f"order={self.page_order}",) if self.page_order else ()),
         ))
         return hashlib.sha256(ident.encode()).hexdigest()[:16]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 
 import torch
 
@@ -89,7 +90,9 @@ class HostPool:
         """A pool of `num_pages` of its own, or over an engine's host buffer: `tensor`, a view
         shaped (pages, layers, *layout.layer_page_shape), strided where the engine's pages are
         not one run of bytes (then storage moves a page as its runs, or through staging where
-        they are many and small)."""
+        they are many and small). A whole-page object holds the page's bytes in our order, or
+        in memory order where the store names this pool's `page_order`: a page_first page is a
+        K and a V run in memory, against a run a token and layer in ours."""
         self.layout = layout
         self.alloc = PageAllocator(num_pages, self.tier)
         shape = (num_pages, layout.num_layers, *layout.layer_page_shape)
@@ -99,8 +102,36 @@ class HostPool:
             raise UsageError(f"host buffer is {tuple(tensor.shape)} {tensor.dtype}, the layout needs {shape} "
                              f"{layout.dtype}")
         self.tensor = tensor
-        self.runs = byte_runs(tensor[0])
-        """Where each page's bytes lie, in page order: (offset from the page's first byte, bytes)."""
+        self.runs = _merged(byte_runs(tensor[0]))
+        """Where each page's bytes lie, in our order (layer by layer, each in `layout.axes`
+        order): (offset from the page's first byte, bytes)."""
+        memory = _merged(sorted(self.runs))
+        by_stride = sorted(range(tensor.dim() - 1), key=lambda d: -tensor.stride(d + 1))
+        in_memory = len(memory) < len(self.runs) and _merged(byte_runs(tensor[0].permute(by_stride))) == memory
+        self.page_order = _order_digest(self.runs) if in_memory else ""
+        """Names the page's memory order where it takes fewer runs than ours (`page_first`: a K and
+        a V run against one a token and layer) and is an order of its axes, else "": a store whose
+        `layout.page_order` is this one holds whole pages in memory order (`stored_runs`)."""
+        self.memory_runs = memory if in_memory else self.runs
+        self._by_stride = by_stride
+
+    def stored_runs(self, page_order: str) -> list[tuple[int, int]]:
+        """Where the bytes of a whole-page object lie, in the object's order: memory order when
+        `page_order` (a store's) names this pool's, ours when it is ""."""
+        self._check(page_order)
+        return self.memory_runs if page_order else self.runs
+
+    def stored_page(self, page: int, page_order: str) -> torch.Tensor:
+        """A whole page as a view whose elements run in its object's order (`stored_runs`)."""
+        self._check(page_order)
+        return self.tensor[page].permute(self._by_stride) if page_order else self.tensor[page]
+
+    def _check(self, page_order: str) -> None:
+        """Any order but ours and this pool's is another buffer's, whose objects this pool
+        cannot lay out."""
+        if page_order and page_order != self.page_order:
+            raise UsageError(f"the store keeps whole pages in byte order {page_order}, this host pool's is "
+                             f"{self.page_order or 'ours'}: build the store with this pool")
 
     def page_bytes(self, page: int) -> memoryview:
         """The page's bytes, without a copy."""
@@ -108,3 +139,26 @@ class HostPool:
 
     def page_ptr(self, page: int) -> int:
         return self.tensor[page].data_ptr()
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Runs in their order, each joined to the one before where it starts as that one ends."""
+    out: list[tuple[int, int]] = []
+    for at, n in runs:
+        if out and sum(out[-1]) == at:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((at, n))
+    return out
+
+
+def _order_digest(runs: list[tuple[int, int]]) -> str:
+    """A digest of the order memory holds a page's bytes in, given its runs in our order: where
+    each stretch of memory order starts in ours and its length, stretches that continue in both
+    joined, so one permutation of the bytes has one digest whatever the buffer's gaps."""
+    ours, at = [], 0
+    for start, n in runs:
+        ours.append((start, at, n))
+        at += n
+    stretches = _merged([(at, n) for _, at, n in sorted(ours)])
+    return hashlib.sha256(repr(stretches).encode()).hexdigest()[:16]

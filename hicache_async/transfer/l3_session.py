@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from ..config import CacheConfig
 from ..keys import make_key_scheme
 from ..layout import KVLayout
+from ..pools import HostPool
 from ..storage.base import StorageAdapter, open_storage, storage_backend
 from ..storage.guarded import GuardedStorage
 from ..storage.sealed import SealedStorage, load_key
@@ -35,10 +36,15 @@ def open_adapter(name: str, options: dict, secret_file: str | None = None) -> St
 
 
 def guarded_store(adapter: StorageAdapter, name: str, layout: KVLayout, coords: RankCoords,
-                  config: CacheConfig, head_group: int = 1) -> PageStore:
+                  config: CacheConfig, head_group: int = 1, host: HostPool | None = None) -> PageStore:
     """A page store over `adapter`: every call under a deadline and the breaker, and traced.
     With cp_transfer "rank0", every CP rank names pages by CP rank 0's keys and reads what
-    it wrote."""
+    it wrote. `host`: the one host pool it serves; rank-suffix objects, each a whole page of
+    it, then hold their bytes in its memory order where that takes fewer runs than ours
+    (`HostPool.page_order`, named in the namespace), so they move in place. Unified objects
+    keep our order: their keys are shared by every topology and pool."""
+    if host is not None and config.key_scheme == "rank-suffix":
+        layout = dataclasses.replace(layout, page_order=host.page_order)
     key_coords = dataclasses.replace(coords, cp_rank=0) if config.cp_transfer == "rank0" else coords
     keys = make_key_scheme(config.key_scheme, layout, key_coords, head_group)
     traced = TracedStorage(GuardedStorage(adapter, config), coords, name)
@@ -47,11 +53,12 @@ def guarded_store(adapter: StorageAdapter, name: str, layout: KVLayout, coords: 
 
 @contextlib.contextmanager
 def l3_session(name: str, options: dict, layout: KVLayout, coords: RankCoords, config: CacheConfig, *,
-               secret_file: str | None = None, head_group: int = 1) -> Iterator[PageStore]:
+               secret_file: str | None = None, head_group: int = 1,
+               host: HostPool | None = None) -> Iterator[PageStore]:
     """A page store for one process that is its own launcher (an engine's worker): the
     backend's session (a file store's directory, a Mooncake master checked reachable), its
-    adapter and the guarded store, all closed on exit."""
+    adapter and the guarded store (serving `host`, see `guarded_store`), all closed on exit."""
     with contextlib.ExitStack() as stack:
         session = stack.enter_context(storage_backend(name).open_session(options))
         adapter = stack.enter_context(open_adapter(name, session, secret_file))
-        yield guarded_store(adapter, name, layout, coords, config, head_group)
+        yield guarded_store(adapter, name, layout, coords, config, head_group, host)

@@ -24,13 +24,19 @@ cross memory once, as the bound a verified read can reach does; a call of it giv
 comes back in `PrefetchResult.late`, and the owner of the pages (the step ledger's
 quarantine) keeps them from other KV until that call has returned. A whole page that lies in
 a few runs of an engine's buffer (K and V apart) moves in place too, as its runs in order,
-checksummed over them: the object holds the same bytes as if they were one run. Objects
+checksummed over them. Its object holds the page's bytes in our order (layer by layer), or,
+where the store's layout names the pool's `page_order` (rank-suffix keys over a buffer whose
+memory order takes fewer runs, `l3_session`), in memory order: then a `page_first` page is
+two runs, not one a token and layer, and its objects live under a namespace of their own, so
+objects of the other order miss instead of being misread. Objects
 that are strided views of the pool (a head group of a page) read into staging the call owns
 (`staging.py`), quarantined by the pool, and are copied into the host pages, while still in
 cache, only as long as the caller waits; from an adapter that `lands_each` object in order, that staging
 is a small ring the read streams through, checked and copied beside the reader
-(`checksums.py`). A backup makes no header after its caller gave up, so bytes it reads late
-from pages that moved on fail their checksum: a miss, never another page's KV under this key.
+(`checksums.py`). A backup writes such objects from staging too, leased for the call and
+reused across calls, each gathered just before its header is made. It makes no gather or
+header after its caller gave up, so bytes it reads late from pages that moved on fail their
+checksum: a miss, never another page's KV under this key.
 
 The store heals. Backups skip keys already stored, so an object that fails verification
 would be a miss for every reader, for good. So a prefetch remembers the key of an object it
@@ -48,6 +54,7 @@ tenant, or an engine given the wrong secret, wipe another's objects.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from dataclasses import dataclass, field
@@ -78,6 +85,7 @@ DAMAGED_KEYS = 4096         # most keys of damaged objects a store remembers for
 class BackupResult:
     ok: list[bool]        # per page: stored (or already present, or another rank's to write)
     bytes: int = 0        # bytes this call wrote
+    pages: int = 0        # pages this call wrote (any of their objects; the others were stored already)
     errors: int = 0       # objects that failed to store
     skipped: int = 0      # pages the adapter found already stored
     healed: int = 0       # objects rewritten in place of a damaged copy a prefetch had found
@@ -129,8 +137,9 @@ class PageStore:
         self.counters = StoreCounters()
         self.staging = StagingPool(adapter.register_memory,
                                    lambda delta: self.counters.add(quarantined_bytes=delta))
-        # host tensor and its bytes, by address; the tensor held so an address is never reused
-        self._hosts: dict[int, tuple[torch.Tensor, memoryview]] = {}
+        # host tensor, its bytes and its pages' object runs, by address; the tensor held so an
+        # address is never reused
+        self._hosts: dict[int, tuple[torch.Tensor, memoryview, list[tuple[int, int]]]] = {}
         self._pinned: set[int] = set()
         self._hosts_lock = threading.Lock()
         self._damaged: dict[str, None] = {}    # keys of damaged objects found, oldest first
@@ -138,38 +147,46 @@ class PageStore:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _host_bytes(self, host: HostPool, pin: bool = False) -> memoryview:
+    def _host_bytes(self, host: HostPool) -> tuple[memoryview, list[tuple[int, int]]]:
         """The host pool's bytes (none when its pages are too many small runs to move in
-        place); with `pin`, registered with the adapter once it can be (backups read them in
-        place, and prefetches of whole pages read into them in place)."""
+        place), registered with the adapter once it can be (backups read them in place, and
+        prefetches of whole pages read into them in place); and where the bytes of a whole-page
+        object lie in its page (`HostPool.stored_runs`: in memory order when this store's
+        layout names the pool's)."""
         ptr = host.tensor.data_ptr()
         with self._hosts_lock:
             if ptr not in self._hosts:
-                movable = host.tensor if _movable(host.runs) else host.tensor[:0]
-                self._hosts[ptr] = (host.tensor, tensor_bytes(movable).cast("B"))
-            if pin and ptr not in self._pinned and self._hosts[ptr][1].nbytes:
+                runs = host.stored_runs(self.layout.page_order)
+                movable = host.tensor if _movable(runs) else host.tensor[:0]
+                self._hosts[ptr] = (host.tensor, tensor_bytes(movable).cast("B"), runs)
+            _, pool, runs = self._hosts[ptr]
+            if ptr not in self._pinned and pool.nbytes:
                 try:
-                    self.adapter.register_memory(self._hosts[ptr][1])
+                    self.adapter.register_memory(pool)
                     self._pinned.add(ptr)
                 except StorageError:    # unpinned memory still works, through the backend's copies
                     pass                # and the next backup tries again
-            return self._hosts[ptr][1]
+            return pool, runs
 
-    def _in_place(self, host: HostPool, pool: memoryview, pages: list[int],
+    def _in_place(self, host: HostPool, pages: list[int],
                   specs: list[list[ObjectSpec]]) -> list[list[list[memoryview] | None]]:
         """Each object's runs of bytes in the host pool when it is a whole page (every layer
         and head this rank holds), else None: slices of one view, far cheaper than a tensor
         view per object. A key scheme gives every page objects of the same layers and heads, so
         which objects are whole pages is decided once; none are, in a pool of too small runs."""
+        pool, runs = self._host_bytes(host)
         layers, heads = host.layout.num_layers, host.layout.kv_heads
         whole = [len(spec.layers) == layers and len(spec.heads) == heads and bool(pool.nbytes)
                  for spec in specs[0]] if specs else []
         step = host.tensor.stride(0) * host.tensor.element_size()
-        return [[[pool[page * step + at:page * step + at + n] for at, n in host.runs] if w else None
+        return [[[pool[page * step + at:page * step + at + n] for at, n in runs] if w else None
                  for w in whole] for page in pages]
 
     def _slot(self, host: HostPool, page: int, spec: ObjectSpec) -> torch.Tensor:
-        """The host-pool view of one object's payload (a view, maybe not contiguous)."""
+        """The host-pool view of one object's payload (a view, maybe not contiguous), its
+        elements in the object's order."""
+        if len(spec.layers) == self.layout.num_layers and len(spec.heads) == self.layout.kv_heads:
+            return host.stored_page(page, self.layout.page_order)
         l0, h0 = spec.layers.start - self.layout.first_layer, spec.heads.start - self.layout.first_head
         at = [slice(None)] * len(self.layout.axes)
         if self.layout.head_axis is not None:
@@ -225,38 +242,46 @@ class PageStore:
         mine = self._write_pages(page_hashes)
         if not mine:
             return result
-        pool = self._host_bytes(host, pin=True)
         specs = [self.keys.objects(page_hashes[i]) for i in mine]
-        in_place = self._in_place(host, pool, [host_pages[i] for i in mine], specs)
-        jobs, owners, copies = [], [], []     # copies: tensors behind payloads, kept alive
-        for i, page_specs, page_bytes in zip(mine, specs, in_place):
-            for spec, payload in zip(page_specs, page_bytes):
-                if payload is None or self.fault == "corrupt-stored":
-                    copies.append(self._slot(host, host_pages[i], spec).contiguous())
-                    if self.fault == "corrupt-stored":   # wrong bytes, checksummed as if right
-                        copies[-1] = copies[-1].clone()
-                        copies[-1].view(-1)[0] += 1.0
-                    payload = [tensor_bytes(copies[-1])]
-                jobs.append((spec, payload))
+        in_place = self._in_place(host, [host_pages[i] for i in mine], specs)
+        jobs, owners = [], []     # (spec, its runs in the host pool, or the view a staged copy gathers)
+        for i, page_specs, page_runs in zip(mine, specs, in_place):
+            for spec, runs in zip(page_specs, page_runs):
+                jobs.append((spec, runs if runs is not None else self._slot(host, host_pages[i], spec)))
                 owners.append(i)
-        headers = memoryview(bytearray(HEADER_BYTES * len(jobs)))
-        parts = [[headers[HEADER_BYTES * j:HEADER_BYTES * (j + 1)], *payload]
-                 for j, (_, payload) in enumerate(jobs)]
-        sizes = [sum(run.nbytes for run in payload) for _, payload in jobs]
-
-        def encode(group: range) -> None:
-            for j in group:
-                parts[j][0][:] = encode_header(jobs[j][0].key, jobs[j][0], self.namespace, jobs[j][1], tenant)
-
+        sizes = [_nbytes(source) for _, source in jobs]
+        corrupt = self.fault == "corrupt-stored"    # wrong bytes, checksummed as if right
+        staged = [corrupt or isinstance(source, torch.Tensor) for _, source in jobs]
         keys = [spec.key for spec, _ in jobs]
         healing = self._heal(keys)
-        ahead = Ahead(sizes, encode)
         try:
-            stored = self.adapter.batch_set_parts(keys, parts, ready=ahead.wait)
-        except StorageError as exc:
-            ahead.abandon()     # no header from now on: pages the call reads late fail their checksum
-            if isinstance(exc, AbandonedCall):
-                exc.when_returned(copies.clear)   # what the call may still read stays alive till then
+            gathered = sum(n for n, s in zip(sizes, staged) if s)
+            with self.staging.lease(gathered) if gathered else contextlib.nullcontext(memoryview(b"")) as staging:
+                headers = memoryview(bytearray(HEADER_BYTES * len(jobs)))
+                parts, at = [], 0
+                for j, (_, source) in enumerate(jobs):
+                    payload = [staging[at:at + sizes[j]]] if staged[j] else source
+                    at += sizes[j] if staged[j] else 0
+                    parts.append([headers[HEADER_BYTES * j:HEADER_BYTES * (j + 1)], *payload])
+
+                def encode(group: range) -> None:
+                    """Each object's header, after gathering a staged one (so only objects the
+                    adapter writes are gathered, each just before it is checksummed)."""
+                    for j in group:
+                        spec, source = jobs[j]
+                        if staged[j]:
+                            _gather(source, parts[j][1], host.tensor.dtype)
+                            if corrupt:
+                                torch.frombuffer(parts[j][1], dtype=host.tensor.dtype)[0] += 1
+                        parts[j][0][:] = encode_header(spec.key, spec, self.namespace, parts[j][1:], tenant)
+
+                ahead = Ahead(sizes, encode)
+                try:
+                    stored = self.adapter.batch_set_parts(keys, parts, ready=ahead.wait)
+                except StorageError:
+                    ahead.abandon()  # no gather or header from now on: bytes read late fail their checksum
+                    raise            # (staging a call given up on may still read stays its own till it returns)
+        except StorageError:
             stored = [False] * len(jobs)
         written = set()
         for j, (i, ok) in enumerate(zip(owners, stored)):
@@ -268,6 +293,7 @@ class PageStore:
                 result.healed += keys[j] in healing
                 written.add(i)
         result.skipped = sum(1 for i in mine if result.ok[i] and i not in written)
+        result.pages = len(written)
         self.counters.add(bytes_written=result.bytes, storage_errors=result.errors, healed_objects=result.healed)
         return result
 
@@ -295,9 +321,8 @@ class PageStore:
         result = PrefetchResult()
         if not page_hashes:
             return result
-        pool = self._host_bytes(host, pin=True)
         specs = [self.keys.objects(h) for h in page_hashes]
-        in_place = self._in_place(host, pool, host_pages, specs)
+        in_place = self._in_place(host, host_pages, specs)
         dests = [[dest if dest is not None else self._dest(host, page, spec) for spec, dest in zip(page_specs, ours)]
                  for page, page_specs, ours in zip(host_pages, specs, in_place)]
         direct = all(isinstance(dest, list) for page_dests in dests for dest in page_dests)
@@ -385,6 +410,17 @@ def _movable(runs: list[tuple[int, int]]) -> bool:
     """Whether pages in these runs move in place: one run, or a few big enough that a part
     each costs little beside their bytes."""
     return len(runs) == 1 or (len(runs) <= MAX_RUNS and min(n for _, n in runs) >= MIN_RUN_BYTES)
+
+
+def _gather(source: list[memoryview] | torch.Tensor, into: memoryview, dtype: torch.dtype) -> None:
+    """Copy an object's bytes, its runs or a strided view of the host pool, into staging."""
+    if isinstance(source, torch.Tensor):
+        torch.frombuffer(into, dtype=dtype).view(source.shape).copy_(source)
+        return
+    at = buffer_address(into)
+    for run in source:
+        ctypes.memmove(at, buffer_address(run), run.nbytes)
+        at += run.nbytes
 
 
 def _nbytes(dest: list[memoryview] | torch.Tensor) -> int:

@@ -9,9 +9,9 @@ generic path (one `get_data_page` copy per page, then `batch_set`; a dummy page 
 buffer is a stand-in with SGLang's geometry in each MHA layout measured (its host pool classes
 import model code that a CPU machine without torchvision cannot load), attached as SGLang's MHA
 pool (`attach_host_pool`, skipping only the check of its class), under a named model (no
-checkpoint to fingerprint): `page_first`, whose pages are runs of one token's layer too small
-to move in place, so ours goes through staging, and `layer_first` and `page_first_direct`,
-whose pages are a K and a V run a layer, read and written in place.
+checkpoint to fingerprint): `page_first`, whose pages are a K and a V run in memory, stored in
+that order (the store is built for the pool, `page_order`) and read and written in place, and
+`layer_first` and `page_first_direct`, whose pages are a K and a V run a layer, in place too.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from hicache_async.errors import UsageError
 from hicache_async.keys import tenant_digest
 from hicache_async.pools import HostPool
 from hicache_async.transfer.l3_session import l3_session
-from hicache_async.transfer.objects import HEADER_BYTES, NO_TENANT
+from hicache_async.transfer.objects import NO_TENANT
 
 from .figures import IntervalFigures
 from .host_view import pool_attention, pool_shape
@@ -76,9 +76,7 @@ class HiCacheAsyncStorage(HiCacheStorage):
         o = self.options
         self.store = self._session.enter_context(l3_session(
             o.storage, o.backend_options, layout, coords, o.cache_config(), secret_file=o.secret_file,
-            head_group=head_group(self.config, layout, o)))
-        # what one page this rank writes takes in storage: SGLang's metrics count written pages
-        self._page_bytes = shape.view[0].nbytes + HEADER_BYTES * len(self.store.keys.objects("0" * 64))
+            head_group=head_group(self.config, layout, o), host=self.host))
 
     def close(self) -> None:
         self.store = None
@@ -120,7 +118,7 @@ class HiCacheAsyncStorage(HiCacheStorage):
             start = time.perf_counter()
             result = self.store.backup(list(keys), self.host, self._pages(keys, host_indices),
                                        tenant=_tenant(extra_info))
-            self.figures.record("backup", result.bytes // self._page_bytes, result.bytes, time.perf_counter() - start)
+            self.figures.record("backup", result.pages, result.bytes, time.perf_counter() - start)
             return result.ok
         except Exception:
             log.exception("hicache-async: backup of %d pages failed", len(keys))

@@ -167,3 +167,35 @@ def test_a_read_given_up_on_is_answered_only_once_it_can_no_longer_write(tmp_pat
     assert b.batch_set_v1(HASHES, slots()) == [True] * 4
     assert b.batch_get_v1(HASHES, slots()) == [False] * 4     # past its deadline: a miss...
     assert slow.late_reads == 1 and slow.late_parts           # ...answered after it wrote, in place
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_page_first_objects_hold_pages_in_memory_order_and_older_objects_miss(tmp_path, attention):
+    """A page_first page is a K and a V run (MHA; one run MLA) in SGLang's buffer: its object
+    holds those bytes as they lie there, under keys of their own; an object in our order, as
+    stores built without the pool wrote it, is a miss, never read as this order."""
+    from hicache_async.config import CacheConfig
+    from hicache_async.topology import RankCoords
+    from hicache_async.transfer.l3_session import guarded_store
+    from hicache_async.transfer.objects import HEADER_BYTES
+
+    extra, mla = {"storage_path": str(tmp_path / "l3")}, attention == "mla"
+    pool = seeded(h.host_pool(attention, "page_first", pages=4), 5)
+    writer = backend(pool, extra, is_mla_model=mla)
+    assert writer.store.layout.page_order and writer.batch_set_v1(HASHES, slots()) == [True] * 4
+    for i, page_hash in enumerate(HASHES):
+        rows = pool.kv_buffer[i * h.PAGE:(i + 1) * h.PAGE] if mla else pool.kv_buffer[:, i * h.PAGE:(i + 1) * h.PAGE]
+        assert _object(tmp_path / "l3", page_hash).read_bytes()[HEADER_BYTES:] == rows.numpy().tobytes()
+    older = seeded(h.host_pool(attention, "page_first", pages=4), 6)
+    old = backend(older, extra, is_mla_model=mla)
+    old.store = guarded_store(writer.store.adapter, "file", old.layout, RankCoords(), CacheConfig())
+    hashes = [f"{i:064x}" for i in range(11, 15)]
+    assert old.batch_set_v1(hashes, slots()) == [True] * 4
+    reader = backend(h.host_pool(attention, "page_first", pages=4), extra, is_mla_model=mla)
+    assert reader.batch_get_v1(hashes, slots()) == [False] * 4 and not reader.mem_pool_host.kv_buffer.any()
+    assert reader.store.counters.corrupt_objects == 0
+    assert reader.batch_get_v1(HASHES, slots()) == [True] * 4
+    assert torch.equal(reader.mem_pool_host.kv_buffer[:4 * h.PAGE] if mla else
+                       reader.mem_pool_host.kv_buffer[:, :4 * h.PAGE],
+                       pool.kv_buffer[:4 * h.PAGE] if mla else pool.kv_buffer[:, :4 * h.PAGE])
