@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hicache_vllm.layer_copies import LayerCopies
+from hicache_vllm.plan import Move
 
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
-from hicache_vllm.layer_copies import LayerCopies
-from hicache_vllm.plan import Move
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA GPU"))]
