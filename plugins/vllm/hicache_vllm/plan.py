@@ -22,6 +22,11 @@ class Move:
     slots: list[int]
     blocks: list[int]
 
+    def keeping(self, keep: list[bool]) -> "Move":
+        """The move of only the pages `keep` marks."""
+        pages = [(s, b) for s, b, k in zip(self.slots, self.blocks, keep) if k]
+        return Move(self.req_id, [s for s, _ in pages], [b for _, b in pages])
+
 
 @dataclass
 class Job:

@@ -178,8 +178,8 @@ class SchedulerSide:
     def _overdue(self, job_id: int) -> bool:
         """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
         worker that never answers, costs a recompute, not a request parked for ever."""
-        started = self.jobs.get(job_id, (None, None, 0.0))[2]
-        return time.monotonic() - started > self.settings.storage_timeout
+        job = self.jobs.get(job_id)
+        return job is None or time.monotonic() - job[2] > self.settings.storage_timeout
 
     def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = (),
                 pinned: bool = True) -> None:

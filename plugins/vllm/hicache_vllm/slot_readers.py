@@ -18,6 +18,7 @@ class SlotReaders:
         self._lock = threading.Lock()
         self._readers: dict[int, set[Future]] = {}
         self.stale: set[int] = set()
+        self._news: set[int] = set()     # turned stale since `newly_stale` last asked
 
     def add(self, slots: list[int], reader: Future) -> None:
         """`reader` reads `slots` until it is done."""
@@ -44,8 +45,16 @@ class SlotReaders:
             wait(pending, timeout=timeout)
         with self._lock:
             ok = [not self._readers.get(s) for s in slots]
-            self.stale.update(s for s, fine in zip(slots, ok) if not fine)
+            turned = {s for s, fine in zip(slots, ok) if not fine}
+            self.stale |= turned
+            self._news |= turned
             return ok
+
+    def newly_stale(self) -> set[int]:
+        """Slots that turned stale since the last call: each is reported once."""
+        with self._lock:
+            news, self._news = self._news, set()
+            return news
 
     def written(self, slots: list[int]) -> None:
         """These slots hold a whole new page: no longer stale."""

@@ -99,9 +99,8 @@ class WorkerSide:
         stale = self.readers.stale
         if not stale.intersection(move.slots):
             return move
-        keep = [(s, b) for s, b in zip(move.slots, move.blocks) if s not in stale]
         self._load_errors.update(b for s, b in zip(move.slots, move.blocks) if s in stale)
-        return Move(move.req_id, [s for s, _ in keep], [b for _, b in keep])
+        return move.keeping([s not in stale for s in move.slots])
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -146,7 +145,7 @@ class WorkerSide:
             return move
         log.warning("hicache: host slots still read by a backup past the deadline; their pages are dropped",
                     slots=[s for s, fine in zip(move.slots, ok) if not fine])
-        return Move(move.req_id, [s for s, f in zip(move.slots, ok) if f], [b for b, f in zip(move.blocks, ok) if f])
+        return move.keeping(ok)
 
     def _moves_span(self, kind: TransferKind, moves: list):
         """The span of a step's loads or saves; None when there are none."""
@@ -176,12 +175,13 @@ class WorkerSide:
         return totals
 
     def reports(self) -> JobReports | None:
-        """Finished jobs, and the slots that turned stale (the scheduler forgets their pages)."""
+        """Finished jobs, and the slots that turned stale since the last report (the scheduler
+        forgets their pages, once)."""
         with self._lock:
             done, self._finished = self._finished, {}
             held, self._held = self._held, Counter()
             released, self._released = self._released, Counter()
-        stale = set(self.readers.stale)
+        stale = self.readers.newly_stale()
         if not (done or stale or held or released):
             return None
         return JobReports({job: (1, pages) for job, pages in done.items()}, stale, held, released)
