@@ -7,21 +7,22 @@ or a page computed under one adapter (or from other embeddings) is served to ano
   path keeps both. vLLM loads an adapter once per `lora_int_id` (unless `load_inplace`), so
   the digest is taken once per id too, and matches the weights the workers hold.
 - Each page's slice of prompt embeddings, and the multimodal items that fall in it (their
-  content hash and offset), are hashed after the page's tokens: a request with embeddings has
-  only placeholder token ids.
+  content hash and offset), are hashed after the page's tokens, as vLLM's own extra keys name
+  them: a request with embeddings has only placeholder token ids.
 """
 from __future__ import annotations
 
 import hashlib
 
 import structlog
-import torch
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from hicache_async.errors import UsageError
 from hicache_async.fingerprint import adapter_fingerprint
 from hicache_async.keys import page_hashes
 
 log = structlog.get_logger(__name__)
+CHAIN_KEYS = ("lora", "cache_salt")     # vLLM's extra keys that the chain's start covers
 
 
 class RequestKeys:
@@ -63,24 +64,14 @@ class RequestKeys:
         return True
 
     def page_extra(self, request, page: int) -> bytes:
-        """Page `page`'s bytes beyond its token ids: its prompt embeddings and multimodal items."""
-        first, end = page * self.page_size, (page + 1) * self.page_size
-        h = None
-        embeds = getattr(request, "prompt_embeds", None)
-        if embeds is not None and first < embeds.shape[0]:
-            h = hashlib.sha256(b"embeds\0")
-            part = embeds[first:end].detach().cpu().contiguous()
-            h.update(f"{part.dtype}{tuple(part.shape)}".encode())
-            h.update(part.view(-1).view(torch.uint8).numpy().tobytes())
-            mask = getattr(request, "prompt_is_token_ids", None)
-            if mask is not None:
-                h.update(bytes(bool(m) for m in mask[first:end]))
-        for feature in getattr(request, "mm_features", None) or ():
-            pos = feature.mm_position
-            if pos.offset < end and first < pos.offset + pos.length:
-                h = h or hashlib.sha256(b"mm\0")
-                h.update(f"{feature.modality}\0{feature.identifier}\0{pos.offset}\0{pos.length}\0".encode())
-        return h.digest() if h is not None else b""
+        """Page `page`'s bytes beyond its token ids, as vLLM's own block hash names them: its
+        multimodal items (content hash, offset) and its prompt embeddings' digest, which vLLM
+        has cached on the request while hashing its blocks. Its LoRA and salt keys are left
+        out: the chain's start names those (the adapter by its bytes)."""
+        first = page * self.page_size
+        keys, _ = generate_block_hash_extra_keys(request, first, first + self.page_size, 0)
+        ours = [k for k in keys or () if k[0] not in CHAIN_KEYS]
+        return hashlib.sha256(repr(ours).encode()).digest() if ours else b""
 
 
 def reads_external(request) -> bool:
