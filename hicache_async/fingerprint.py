@@ -29,19 +29,8 @@ def checkpoint_fingerprint(path: str | os.PathLike, settings: dict | None = None
     """16 hex digits naming a checkpoint folder (or file) and the `settings` that change what
     it computes (quantization, overrides, RoPE scaling, revision, KV-cache dtype); a bad path
     is a UsageError naming it."""
-    root = Path(path)
-    if not root.exists():
-        raise UsageError(f"model {str(path)!r} is not a local checkpoint: its weights cannot be fingerprinted")
-    files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root])
-                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and ".cache" not in p.parts)
-    if not files:
-        raise UsageError(f"model {str(path)!r} holds no weight or config files to fingerprint")
-    h = hashlib.sha256(b"hicache-async checkpoint v1\0")
-    for f in files:
-        st = f.stat()
-        rel = f.relative_to(root).as_posix() if root.is_dir() else f.name
-        h.update(f"{rel}\0{st.st_size}\0".encode())
-        h.update(_file_digest(str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+    h = _tree_digest(path, "checkpoint", f"model {str(path)!r} is not a local checkpoint", _file_digest,
+                     lambda rel: rel.name.endswith(WEIGHT_SUFFIXES) and ".cache" not in rel.parts)
     h.update(json.dumps(settings or {}, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
 
@@ -49,15 +38,41 @@ def checkpoint_fingerprint(path: str | os.PathLike, settings: dict | None = None
 def adapter_fingerprint(path: str | os.PathLike) -> str:
     """16 hex digits naming an adapter folder by all of its bytes; a missing path is a
     UsageError naming it."""
+    missing = f"adapter {str(path)!r} is not a local folder"
+    return _tree_digest(path, "adapter", missing, _whole_digest, lambda rel: True).hexdigest()[:16]
+
+
+def local_checkpoint(path: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """A local folder for `path`: itself, or the snapshot of a hub id the engine downloaded
+    (it loads the weights before its KV cache is built); else `path`, for a fingerprint to
+    refuse in one line."""
+    if not path or os.path.exists(path):
+        return path or ""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, revision=revision, local_files_only=True, cache_dir=cache_dir)
+    except Exception:   # noqa: BLE001 - not in the local cache
+        return path
+
+
+def _tree_digest(path: str | os.PathLike, kind: str, missing: str, digest, keep):
+    """SHA-256 over every kept file's name (relative to `path`, so where the folder lies
+    names nothing), size and `digest`; `missing` says what an absent path is."""
     root = Path(path)
     if not root.exists():
-        raise UsageError(f"adapter {str(path)!r} is not a local folder: its weights cannot be fingerprinted")
-    h = hashlib.sha256(b"hicache-async adapter v1\0")
-    for f in sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file()):
+        raise UsageError(f"{missing}: its weights cannot be fingerprinted")
+    files = sorted((p.relative_to(root) if root.is_dir() else Path(p.name), p)
+                   for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
+    files = [(rel, p) for rel, p in files if keep(rel)]
+    if not files:
+        raise UsageError(f"{kind} {str(path)!r} holds no weight or config files to fingerprint")
+    h = hashlib.sha256(f"hicache-async {kind} v1\0".encode())
+    for rel, f in files:
         st = f.stat()
-        h.update(f"{f.relative_to(root).as_posix() if root.is_dir() else f.name}\0{st.st_size}\0".encode())
-        h.update(_whole_digest(str(f), st.st_size, st.st_mtime_ns, st.st_ino))
-    return h.hexdigest()[:16]
+        h.update(f"{rel.as_posix()}\0{st.st_size}\0".encode())
+        h.update(digest(str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+    return h
 
 
 @lru_cache(maxsize=4096)
@@ -75,5 +90,8 @@ def _file_digest(path: str, size: int, mtime_ns: int, inode: int) -> bytes:
 
 @lru_cache(maxsize=4096)
 def _whole_digest(path: str, size: int, mtime_ns: int, inode: int) -> bytes:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").digest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()

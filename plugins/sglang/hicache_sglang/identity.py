@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
 
 from hicache_async.errors import UsageError
-from hicache_async.fingerprint import adapter_fingerprint, checkpoint_fingerprint
+from hicache_async.fingerprint import adapter_fingerprint, checkpoint_fingerprint, local_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +30,21 @@ SETTINGS = ("dtype", "kv_cache_dtype", "quantization", "quantization_param_path"
 
 
 def model_id(config, named: str | None) -> str:
-    """The namespace's model id: `named` (the operator's) or the checkpoint's fingerprint, with
-    the startup adapters' when LoRA is on; logged once. A UsageError names what cannot be read."""
+    """The namespace's model id: the checkpoint's fingerprint (after `named`, the operator's
+    name, if given), with the startup adapters' when LoRA is on; logged once. A checkpoint
+    that cannot be read is a UsageError naming it, unless `named` vouches for it alone."""
     model, lora = _published("model"), _published("lora")
-    if named:
-        base, source = named, "named by model_id"
-    else:
-        path = model.model_path if model is not None else config.model_name
-        settings = {name: getattr(model, name, None) for name in SETTINGS} if model is not None else {}
-        try:
-            base = "checkpoint-" + checkpoint_fingerprint(_local(path, settings.get("revision"), model), settings)
-        except UsageError as exc:
+    path = model.model_path if model is not None else config.model_name
+    settings = {name: getattr(model, name, None) for name in SETTINGS} if model is not None else {}
+    source = f"{path} with {settings}" if model is not None else f"{path} (no server args published)"
+    try:
+        local = local_checkpoint(path, settings.get("revision"), getattr(model, "download_dir", None))
+        base = "checkpoint-" + checkpoint_fingerprint(local, settings)
+    except UsageError as exc:
+        if not named:
             raise UsageError(f"hicache-async: {exc}; pass model_id in the extra config to name it yourself") from None
-        source = f"{path} with {settings}" if model is not None else f"{path} (no server args published)"
+        base, source = None, f"named by model_id; {exc}"
+    base = "@".join(part for part in (named, base) if part)
     adapters = _adapters(lora)
     ident = base + (f"+lora-{adapters}" if adapters else "")
     log.info("hicache-async: model namespace %s (%s%s)", ident, source,
@@ -58,25 +59,11 @@ def _adapters(lora) -> str | None:
     h = hashlib.sha256(b"hicache-async sglang adapters v1\0")
     for ref in sorted(lora.lora_paths, key=lambda ref: ref.lora_id):
         try:
-            digest = adapter_fingerprint(_local(ref.lora_path, None, None))
+            digest = adapter_fingerprint(local_checkpoint(ref.lora_path))
         except UsageError as exc:
             raise UsageError(f"hicache-async: LoRA {ref.lora_name!r}: {exc}") from None
         h.update(f"{ref.lora_id}\0{digest}\0".encode())
     return h.hexdigest()[:16]
-
-
-def _local(path: str | None, revision: str | None, model) -> str:
-    """A local folder for `path`: itself, or the snapshot SGLang downloaded a hub id to (the
-    weights are loaded before the cache is built); else the path, for the fingerprint to refuse."""
-    if not path or Path(path).exists():
-        return path or ""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, revision=revision, local_files_only=True,
-                                 cache_dir=getattr(model, "download_dir", None))
-    except Exception:
-        return path
 
 
 def _published(name: str):

@@ -8,12 +8,10 @@ What decides KV bytes that a key cannot name yet stops the engine at start-up, o
 """
 from __future__ import annotations
 
-import os
-
 import structlog
 
 from hicache_async.errors import UsageError
-from hicache_async.fingerprint import checkpoint_fingerprint
+from hicache_async.fingerprint import checkpoint_fingerprint, local_checkpoint
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +37,8 @@ def model_identity(vllm_config, model_id: str | None) -> str:
         "dtype": str(model.dtype), "cache_dtype": cache.cache_dtype,
     }
     try:
-        fingerprint = checkpoint_fingerprint(_checkpoint(model), settings)
+        local = local_checkpoint(model.model_weights or model.model, model.revision)
+        fingerprint = checkpoint_fingerprint(local, settings)
     except UsageError as exc:
         if not model_id:
             raise UsageError(f"HiCacheConnector: {exc}; set kv_connector_extra_config model_id to vouch for it")
@@ -48,16 +47,3 @@ def model_identity(vllm_config, model_id: str | None) -> str:
     identity = f"{model_id or model.model}@{fingerprint}"
     log.info("hicache: model fingerprint", model=model.model, fingerprint=fingerprint, settings=settings)
     return identity
-
-
-def _checkpoint(model) -> str:
-    """The folder vLLM loads the weights from: the model path, or its snapshot in the
-    Hugging Face cache."""
-    path = model.model_weights or model.model
-    if os.path.exists(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(path, revision=model.revision, local_files_only=True)
-    except Exception:   # noqa: BLE001 - not in the local cache: the caller refuses it, one line
-        return path
