@@ -112,7 +112,7 @@ class HostPool:
         """Names the page's memory order where it takes fewer runs than ours (`page_first`: a K and
         a V run against one a token and layer) and is an order of its axes, else "": a store whose
         `layout.page_order` is this one holds whole pages in memory order (`stored_runs`)."""
-        self.memory_runs = memory if in_memory else self.runs
+        self.memory_runs = memory
         self._by_stride = by_stride
 
     def stored_runs(self, page_order: str) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ quarantine) keeps them from other KV until that call has returned. A whole page 
 a few runs of an engine's buffer (K and V apart) moves in place too, as its runs in order,
 checksummed over them. Its object holds the page's bytes in our order (layer by layer), or,
 where the store's layout names the pool's `page_order` (rank-suffix keys over a buffer whose
-memory order takes fewer runs, `l3_session`), in memory order: then a `page_first` page is
+memory order takes fewer runs, `guarded_store`), in memory order: then a `page_first` page is
 two runs, not one a token and layer, and its objects live under a namespace of their own, so
 objects of the other order miss instead of being misread. Objects
 that are strided views of the pool (a head group of a page) read into staging the call owns
@@ -457,6 +457,8 @@ def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload: li
         if intact(header, prefix, payload):
             return None
         return "damaged" if damaged(header, prefix) else "corrupt"
-    if got == MISSING or got == FORGED:
-        return "missing" if got == MISSING else "forged"
+    if got == MISSING:
+        return "missing"
+    if got == FORGED:
+        return "forged"
     return "damaged" if 0 <= got < size else "corrupt"

@@ -17,9 +17,8 @@ beside raw I/O).
 
 Each figure is the best of a few repetitions, to keep a noisy 2-core machine from deciding
 it; the sides take turns, each repetition starting from the next one. File writes start from
-a synced page cache, so no side pays for another's dirty pages; the pages written are then
-made an hour old, so reads pay the LRU touch a rank's reads pay, and removed once read, so
-every repetition starts from the same page cache (on the reference VM, write throughput fell
+a synced page cache, so no side pays for another's dirty pages; the files written are
+removed once read, so every repetition starts from the same page cache (on the reference VM, write throughput fell
 3-4x as earlier repetitions' files piled up in it).
 """
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -120,15 +118,11 @@ def _figures(kind: str, backup: dict, prefetch: dict, raw_put: str, raw_get: str
                    prefetch["store"])]
 
 
-def _age(root: str, remove: bool = False) -> None:
-    """Every file under `root` made an hour old, or removed (directories stay)."""
+def _remove_files(root: str) -> None:
+    """Every file under `root` removed (directories stay)."""
     for folder, _, files in os.walk(root):
         for name in files:
-            path = os.path.join(folder, name)
-            if remove:
-                os.unlink(path)
-            else:
-                os.utime(path, (time.time() - 3600,) * 2)
+            os.unlink(os.path.join(folder, name))
 
 
 def _file_figures(pages: int, reps: int) -> list[dict]:
@@ -173,9 +167,8 @@ def _file_figures(pages: int, reps: int) -> list[dict]:
                  "bound": lambda r: get("bound", r, True), "sealed": sealed_prefetch}
         for r in range(reps):
             _round(writes, r, nbytes, backup, settle=os.sync)
-            _age(root)
             _round(reads, r, nbytes, prefetch)
-            _age(root, remove=True)
+            _remove_files(root)
     return _figures("file", backup, prefetch, "raw_file_write_gbps", "raw_file_read_gbps")
 
 

@@ -21,7 +21,6 @@ would add its start-up and nothing these figures measure.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -35,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from ...errors import HiCacheError
+from ...sim.ranks.launcher import die_with_parent, free_port
 from .figure import figure, skipped
 
 LLAMA = {"layers": 8, "hidden": 256, "heads": 4, "intermediate": 512, "vocab": 2048}   # 8 KiB of bf16 KV a token
@@ -50,7 +50,6 @@ MUST_HIT = ("host", "small_host_file", "small_host_mooncake")
 STATS = ("mean_ttft", "median_ttft", "p99_ttft", "duration")
 GOAL = 1.3                      # small_host_file median TTFT / host median TTFT
 START_TIMEOUT_S, CLIENT_TIMEOUT_S, STOP_TIMEOUT_S = 300, 300, 20
-PR_SET_PDEATHSIG = 1            # Linux prctl
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -104,8 +103,6 @@ class Server:
     group, so that stopping it stops its engine process too; it stops when this process dies."""
 
     def __init__(self, run: str, model: Path, extra: dict | None, workdir: Path) -> None:
-        from ...sim.ranks.launcher import free_port
-
         workdir.mkdir(parents=True)
         self.run, self.model, self.workdir, self.log = run, model, workdir, workdir / "server.log"
         port, parent = free_port(), os.getpid()
@@ -118,9 +115,10 @@ class Server:
             cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "HiCacheConnector", "kv_role": "kv_both",
                                                         "kv_load_failure_policy": "recompute",
                                                         "kv_connector_extra_config": extra})]
-        with open(self.log, "wb") as out:
+        with open(self.log, "wb") as out:     # SIGTERM, not SIGKILL, if we die: vLLM then stops its engine
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
-                                         start_new_session=True, preexec_fn=lambda: _terminated_with(parent))
+                                         start_new_session=True,
+                                         preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
 
     def wait_ready(self, deadline: float) -> None:
         """Until /health answers; a server that exits first or is late is one error naming its
@@ -180,21 +178,13 @@ class Server:
         self.stop()
 
 
-def _terminated_with(parent: int) -> None:
-    """In a child before exec: SIGTERM it when `parent` dies, even by SIGKILL. vLLM's server then
-    stops its engine process, which a SIGKILL of the server would leave running."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _bench_serve(servers: list[Server], requests: int) -> None:
     """One client process (`main` below) runs `vllm bench serve` against each server in turn."""
     argv, parent = json.dumps([server.client_args(requests) for server in servers]), os.getpid()
     try:
         proc = subprocess.run([sys.executable, "-m", __name__, argv], capture_output=True, text=True,
                               env={**os.environ, **ENV}, timeout=CLIENT_TIMEOUT_S,
-                              preexec_fn=lambda: _terminated_with(parent))
+                              preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
     except subprocess.TimeoutExpired:
         raise ServeFailed(f"vllm-serve: bench serve not done after {CLIENT_TIMEOUT_S} s") from None
     if proc.returncode != 0:

@@ -193,9 +193,9 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
         os._exit(1)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the parent dies; exit now if it already has."""
+def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Ask Linux to send this process `sig` when the parent dies; exit now if it already has."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent_pid:
         os._exit(1)

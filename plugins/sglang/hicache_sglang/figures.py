@@ -7,7 +7,7 @@ bandwidth, emptied by each call. Its backends count a read's pages and bytes, a 
 pages and bytes less what storage already held, in GB of 2^30 bytes over the call's wall
 time; so do we. Our store's own figures (objects found corrupt, forged or missing, failed
 storage calls, bytes each way) have no field there, so they go to the log: failures as they
-appear, traffic at most once a minute.
+appear (healed objects with them), traffic at most once a minute.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 log = logging.getLogger(__name__)
 GB = 1 << 30              # SGLang's backends' GB
 TRAFFIC_LOG_S = 60.0
-FAILURES = ("corrupt_objects", "forged_objects", "missing_objects", "storage_errors")
+FAILURES = ("corrupt_objects", "forged_objects", "missing_objects", "storage_errors", "healed_objects")
 TRAFFIC = ("bytes_written", "bytes_read")
 
 

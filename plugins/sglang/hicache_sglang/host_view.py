@@ -4,8 +4,10 @@ SGLang lays one buffer out four ways (`--hicache-mem-layout`); each is a permuta
 page, so a view over `kv_buffer` (no copy) gives the page store every page, layer and head
 where SGLang keeps it. K and V sit in separate halves of an MHA buffer, so an MHA page is never
 one run of bytes: in `layer_first` and `page_first_direct` it is a K and a V run a layer, which
-the store reads and writes in place; in `page_first` and `page_head` its runs are one token's
-(or head's) few bytes, read through staging. An MLA page in `page_first_direct` is one run,
+the store reads and writes in place; in `page_first` it is a K and a V run in memory, which
+rank-suffix objects hold in that order (`HostPool.page_order`) and so move in place too, while
+unified objects (one layer or head group each) and `page_head` pages are runs of one token's
+or head's few bytes, read through staging. An MLA page in `page_first_direct` is one run,
 and a run a layer in `layer_first`. The layout's name goes into the namespace, so a pool laid
 out another way misses instead of reading bytes in an order it did not write.
 

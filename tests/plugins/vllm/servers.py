@@ -10,23 +10,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
+
+from hicache_async.sim.ranks.launcher import free_port
 
 START_TIMEOUT_S = 400
 ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 KV_BYTES = 32 * 64 << 10      # 32 blocks of the test Llama (64 KiB each): four prompts evict a fifth
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

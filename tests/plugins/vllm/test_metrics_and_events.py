@@ -21,8 +21,10 @@ import urllib.request
 
 import pytest
 
+from hicache_async.sim.ranks.launcher import free_port
+
 from .conftest import page_files
-from .servers import free_port, metric, serving
+from .servers import metric, serving
 
 FULL = 288      # a 300-token prompt's full 32-token pages
 GOOD = 4        # F1's pages read back from L3 before the corrupt one
