@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from hicache_vllm.request_keys import RequestKeys
 
-from hicache_async.fingerprint import adapter_fingerprint, checkpoint_fingerprint
+from hicache_async.fingerprint import SAMPLE, SAMPLES, adapter_fingerprint, checkpoint_fingerprint
 from hicache_async.keys import page_hashes
 
 PAGE = 4
@@ -22,6 +22,7 @@ class Req:
     lora_request: object = None
     prompt_embeds: torch.Tensor | None = None
     mm_features: list = field(default_factory=list)
+    _prompt_embeds_per_block_hashes: dict = field(default_factory=dict)    # vLLM's cache of them
 
 
 def hashes(req: Req, keys: RequestKeys | None = None) -> list[str]:
@@ -84,11 +85,36 @@ def test_a_checkpoint_fingerprint_follows_its_bytes_and_settings_not_its_path(tm
     for folder in (a, b):
         folder.mkdir()
         (folder / "config.json").write_text("{}")
-        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 20_000)    # sampled, not read whole
+        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 20_000)
     assert checkpoint_fingerprint(a) == checkpoint_fingerprint(b)
     assert checkpoint_fingerprint(a, {"quantization": "fp8"}) != checkpoint_fingerprint(a)
     weights = bytearray((b / "model.safetensors").read_bytes())
     weights[:4] = b"\xff\xff\xff\xff"
     (b / "model.safetensors").write_bytes(bytes(weights))
     assert checkpoint_fingerprint(a) != checkpoint_fingerprint(b)
+
+
+def test_an_adapter_is_read_whole_where_a_checkpoint_is_sampled(tmp_path):
+    """A byte between a large file's samples: the checkpoint's blind spot (documented), never
+    an adapter's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    size = 5_000_000
+    between = (size - SAMPLE) // (SAMPLES - 1) + SAMPLE + 1000      # past sample 1's end, before sample 2
+    for folder, byte in ((a, 0), (b, 1)):
+        folder.mkdir()
+        weights = bytearray(size)
+        weights[between] = byte
+        (folder / "model.safetensors").write_bytes(bytes(weights))
+    assert checkpoint_fingerprint(a) == checkpoint_fingerprint(b)
     assert adapter_fingerprint(a) != adapter_fingerprint(b)
+
+
+def test_a_checkpoint_in_a_cache_folder_is_fingerprinted_by_its_own_files(tmp_path):
+    """A hub snapshot lies under ~/.cache: only `.cache` folders inside the checkpoint are skipped."""
+    snapshot = tmp_path / ".cache" / "hub" / "snapshot"
+    (snapshot / ".cache").mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / ".cache" / "lock.json").write_text("{}")
+    fingerprint = checkpoint_fingerprint(snapshot)
+    (snapshot / ".cache" / "lock.json").write_text('{"changed": 1}')
+    assert checkpoint_fingerprint(snapshot) == fingerprint

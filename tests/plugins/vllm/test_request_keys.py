@@ -10,7 +10,7 @@ import pytest
 from hicache_async.app.bench.vllm_engine import write_llama, write_lora
 
 from .conftest import BLOCK, SHARED_PAGES
-from .engines import RESET, gen, run_engine, same_output
+from .engines import RESET, gen, run_engine, same_output, tiers
 
 HIT = 288                   # nine full blocks of a 300-token prompt
 LORA = {"lora_rank": 8}
@@ -47,10 +47,10 @@ def test_adapters_never_share_kv_and_each_gets_its_own_back(llama, prompts, cold
     assert same_output(base, cold["p"])
     assert a["cached"] == 0 and same_output(a, cold_lora["a"])
     assert b["cached"] == 0 and same_output(b, cold_lora["b"])
-    assert a_again["params"]["hicache"]["host_tokens"] == HIT and same_output(a_again, cold_lora["a"])
+    assert tiers(a_again)[0] == HIT and same_output(a_again, cold_lora["a"])
     b_l3, base_q = run_engine(llama, [gen(q) | {"lora": adapters["b"]}, RESET, gen(q)], extra, **LORA)
-    assert b_l3["params"]["hicache"]["l3_tokens"] == HIT and same_output(b_l3, cold_lora["b"])
-    assert base_q["params"]["hicache"]["l3_tokens"] == SHARED_PAGES * BLOCK and same_output(base_q, cold["q"])
+    assert tiers(b_l3)[1] == HIT and same_output(b_l3, cold_lora["b"])
+    assert tiers(base_q)[1] == SHARED_PAGES * BLOCK and same_output(base_q, cold["q"])
 
 
 def test_prompt_embeddings_key_their_pages(llama, cold_lora, tmp_path):
@@ -60,13 +60,13 @@ def test_prompt_embeddings_key_their_pages(llama, cold_lora, tmp_path):
     e1, e2, again = run_engine(llama, [embeds(1), RESET, embeds(2), RESET, embeds(1)], extra, prompt_embeds=True)
     assert same_output(e1, cold_lora["e1"])
     assert e2["cached"] == 0 and same_output(e2, cold_lora["e2"])
-    assert again["params"]["hicache"]["host_tokens"] == HIT and same_output(again, cold_lora["e1"])
+    assert tiers(again)[0] == HIT and same_output(again, cold_lora["e1"])
 
 
 def test_prompt_logprobs_take_nothing_from_our_tiers(llama, prompts, cold, tmp_path):
     extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
-    first, scored = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["p"]) | {"prompt_logprobs": 1}], extra)
-    assert scored["cached"] == 0 and scored["params"]["hicache"] == first["params"]["hicache"]
+    _, scored = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["p"]) | {"prompt_logprobs": 1}], extra)
+    assert scored["cached"] == 0 and tiers(scored) == (0, 0)
     assert same_output(scored, cold["p"])
 
 

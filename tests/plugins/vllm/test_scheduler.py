@@ -20,6 +20,9 @@ class Req:
     cache_salt: str | None = None
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    lora_request: object = None
+    prompt_embeds: object = None
+    mm_features: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -160,12 +163,16 @@ def test_selective_write_through_counts_device_cache_hits_as_uses():
 def test_a_backup_pins_its_slots_until_every_worker_reported_it():
     """A save never waits for L3: it takes no slot a backup still reads, and skips the tier
     when only such slots are left."""
-    s = side(host_pages=2, storage="none")
+    s = side(workers=2, host_pages=2, storage="none")
     s.l3 = True
     a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
     for req in (a, b):
         s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
     (backup,) = computed(s, a, 9).backups
+    assert not computed(s, b, 9).saves
+    s.reported(JobReports({backup.job: (1, 2)}))                       # one worker of two
+    b.num_computed_tokens = 0
+    s.requests["b"] = RequestPages(b, looked_in_l3=True)
     assert not computed(s, b, 9).saves
     s.reported(JobReports({backup.job: (1, 2)}))
     b.num_computed_tokens = 0
