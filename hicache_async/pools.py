@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
+import mmap
+import weakref
 
 import torch
 
 from .errors import PoolExhausted, UsageError
 from .layout import KVLayout
+
+_PIN_CHUNK = 1 << 30      # bytes page-locked per cudaHostRegister call
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -81,7 +86,8 @@ class HostPool:
     """L2: page-major so one page of every local layer is one contiguous run of bytes.
 
     That is what storage objects and zero-copy batch calls want. `tensor[page, layer]` has
-    shape `layout.layer_page_shape`. Pinned when CUDA is present, for async copies.
+    shape `layout.layer_page_shape`. Pinned when CUDA is present, for async copies and for
+    the device's kernels to read and write in place; `close()` unpins it.
     """
 
     tier = "host"
@@ -96,8 +102,11 @@ class HostPool:
         self.layout = layout
         self.alloc = PageAllocator(num_pages, self.tier)
         shape = (num_pages, layout.num_layers, *layout.layer_page_shape)
-        if tensor is None:
-            tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=torch.cuda.is_available())
+        self._unpin = None
+        if tensor is None and torch.cuda.is_available():
+            tensor, self._unpin = _pinned_zeros(shape, layout.dtype)
+        elif tensor is None:
+            tensor = torch.zeros(shape, dtype=layout.dtype)
         elif tuple(tensor.shape) != shape or tensor.dtype != layout.dtype:
             raise UsageError(f"host buffer is {tuple(tensor.shape)} {tensor.dtype}, the layout needs {shape} "
                              f"{layout.dtype}")
@@ -114,6 +123,11 @@ class HostPool:
         `layout.page_order` is this one holds whole pages in memory order (`stored_runs`)."""
         self.memory_runs = memory
         self._by_stride = by_stride
+
+    def close(self) -> None:
+        """Unpins a pool pinned here, once: no copy may use it after."""
+        if self._unpin is not None:
+            self._unpin()
 
     def stored_runs(self, page_order: str) -> list[tuple[int, int]]:
         """Where the bytes of a whole-page object lie, in the object's order: memory order when
@@ -162,3 +176,33 @@ def _order_digest(runs: list[tuple[int, int]]) -> str:
         at += n
     stretches = _merged([(at, n) for _, at, n in sorted(ours)])
     return hashlib.sha256(repr(stretches).encode()).hexdigest()[:16]
+
+
+def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, weakref.finalize]:
+    """Zeroed host memory of exactly `shape`, page-locked a chunk at a time, and the call that
+    unlocks it (run at the latest when the tensor goes). torch's pinned allocator would round
+    the pool up to a power of two: a 33 GiB pool would lock 64. An anonymous mapping is
+    page-aligned, so chunks never share a page, and zero until written."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, nbytes)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    chunks: list[int] = []
+    unpin = weakref.finalize(tensor, _unregister, chunks, buffer)    # keeps the mapping until unlocked
+    unpin.atexit = False        # the process's exit releases it; CUDA may be gone by then
+    cudart = torch.cuda.cudart()
+    for at in range(0, nbytes, _PIN_CHUNK):
+        size = min(_PIN_CHUNK, nbytes - at)
+        error = int(cudart.cudaHostRegister(tensor.data_ptr() + at, size, 3))     # portable | mapped
+        if error:
+            unpin()
+            raise UsageError(f"could not pin {size} bytes of the {nbytes}-byte host pool (cudaHostRegister: CUDA "
+                             f"error {error}): fewer host pages, or a higher locked-memory limit")
+        chunks.append(tensor.data_ptr() + at)
+    return tensor, unpin
+
+
+def _unregister(chunks: list[int], buffer: mmap.mmap) -> None:
+    """Best effort: a chunk's error changes nothing, the mapping goes with `buffer`."""
+    cudart = torch.cuda.cudart()
+    for ptr in chunks:
+        cudart.cudaHostUnregister(ptr)

@@ -1,4 +1,4 @@
-"""`hicache-async`: simulate, replay and bench. Usage errors exit 2 with one line; failures exit 1."""
+"""`hicache-async`: simulate, replay, bench and route. Usage errors exit 2 with one line; failures exit 1."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument("--only", metavar="NAME", action="append", help="run only these figures")
+    from .router import add_route_flags
+    add_route_flags(sub.add_parser("route", help="route requests to vLLM servers by what their tiers hold"))
     return parser
 
 
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         faults.injected()       # an unknown fault name is a usage error before any work starts
         if ns.command == "bench":
             return _bench(ns)
+        if ns.command == "route":
+            from .router import serve
+            return serve(ns)
         from ..sim.ranks.torchrun import lead_or_follow  # under torchrun this process is one rank
         return lead_or_follow(lambda: {"simulate": _simulate, "replay": _replay}[ns.command](ns))
     except UsageError as exc:

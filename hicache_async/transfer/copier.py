@@ -37,7 +37,7 @@ class Copier:
         self.layers = device.layout.num_layers
         self.cuda = device.tensor.is_cuda
         self.fault = faults.injected()
-        host_tensor = _mapped(host.tensor, device.tensor.device) if self.cuda else host.tensor
+        host_tensor = mapped(host.tensor, device.tensor.device) if self.cuda else host.tensor
         # Both pools as (layers, pages, words): page p of layer l is the slab [l, p] on either side;
         # and, for the index kernels, each layer's (pages, words) view.
         slab = device.layout.layer_page_bytes
@@ -177,7 +177,7 @@ class _CudaArray:
                                          "data": (host.data_ptr(), False), "version": 3}
 
 
-def _mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The pinned host pool as a tensor on `device`, aliasing the same memory.
 
     Under unified addressing a kernel reads and writes pinned host memory at its host

@@ -14,14 +14,14 @@ import torch
 
 # Slabs move as the widest word that divides them: the index kernels copy one element at a
 # time, so wider elements are fewer steps (complex128 copies bits exactly, like an integer).
-_WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 _STAGE_BYTES = 16 << 20     # the most a layer stages at once, when neither side is a run
 
 
 def slab_rows(pool: torch.Tensor, slab_bytes: int) -> torch.Tensor:
     """Layer-major (layers, pages, ...) -> (layers, pages, words): one row per slab, as the
     widest word that divides it. Views only: a copy would lose the writes."""
-    word = next(w for w in _WORDS if slab_bytes % w.itemsize == 0)
+    word = next(w for w in WORDS if slab_bytes % w.itemsize == 0)
     layers, pages = pool.shape[:2]
     return pool.view(layers, pages, -1).view(word)
 
@@ -43,8 +43,10 @@ class IndexPlan:
     stage: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, src_pages: list[int], dst_pages: list[int], rows: torch.Tensor) -> IndexPlan:
-        """`rows`: one layer's (pages, words) view of either pool, for device and shape."""
+    def of(cls, src_pages: list[int], dst_pages: list[int], rows: torch.Tensor,
+           stage_bytes: int | None = None) -> IndexPlan:
+        """`rows`: one layer's (pages, ...) view of either pool, for device and shape; a
+        stage holds at most `stage_bytes` (`_STAGE_BYTES` unless given)."""
         by_dst, by_src = sorted(zip(dst_pages, src_pages)), sorted(zip(src_pages, dst_pages))
         dst_run, src_run = _run([d for d, _ in by_dst]), _run([s for s, _ in by_src])
         if dst_run is not None:
@@ -53,8 +55,8 @@ class IndexPlan:
             return cls(_index([], rows), _index([d for _, d in by_src], rows), src_run=src_run)
         if not src_pages:
             return cls(_index([], rows), _index([], rows))
-        pages = min(len(src_pages), max(1, _STAGE_BYTES // (rows.shape[1] * rows.element_size())))
-        stage = torch.empty((pages, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        pages = min(len(src_pages), max(1, (stage_bytes or _STAGE_BYTES) // (rows[0].numel() * rows.element_size())))
+        stage = torch.empty((pages, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
         return cls(_index(src_pages, rows), _index(dst_pages, rows), stage=stage)
 
     @property

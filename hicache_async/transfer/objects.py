@@ -114,6 +114,14 @@ def damaged(header: memoryview, prefix: bytes) -> bool:
     return header[:_FORMAT] == prefix[:_FORMAT] and header[_TENANT] == prefix[_TENANT]
 
 
+def cut_short(header: memoryview, prefix: bytes) -> bool:
+    """Whether a *shorter* object whose first 64 bytes are `header` is a copy of the reader's
+    own cut short: its header is the one the reader's object carries, field for field up to
+    the checksum, the payload length included. Anything else of another size (another layer
+    partition, a draft model, no header) may be another writer's."""
+    return header[:len(prefix)] == prefix
+
+
 def verify(key: str, spec: ObjectSpec, namespace: str, header, payload, tenant: bytes = NO_TENANT) -> None:
     """Raise CorruptObject naming the first field that does not match what the reader expects.
 

@@ -38,19 +38,11 @@ reused across calls, each gathered just before its header is made. It makes no g
 header after its caller gave up, so bytes it reads late from pages that moved on fail their
 checksum: a miss, never another page's KV under this key.
 
-The store heals. Backups skip keys already stored, so an object that fails verification
-would be a miss for every reader, for good. So a prefetch remembers the key of an object it
-finds *damaged*, a broken copy of this reader's own object (`objects.damaged`: the expected
-size and a header of this format and tenant, but a byte or field that does not check out; or
-shorter than any writer of the key stores it), and the next backup of that key removes it
-(`batch_remove`) just before writing it afresh. Only a writer of the right bytes removes, at
-once before it writes, never a reader: so a healer that removes what another healer just
-wrote stores the same good bytes again, and only a failed write leaves the key empty (a miss
-the next backup fills). An object that may be another writer's is left alone: another
-tenant's or format version's header, an object of another size (a sealed one read without
-the secret), anything a sealed store cannot open (AES-GCM cannot tell a flipped byte from
-another secret's object, so a sealed store heals no forgery). Deleting those would let one
-tenant, or an engine given the wrong secret, wipe another's objects.
+The store heals (`healer.py`): a prefetch that ends at a damaged copy of this reader's own
+object, or at one that may be (shorter than ours), leaves that key and every later key it
+did not read to the next backup of each, which proves each damaged before it removes and
+rewrites it; so one recompute's backups heal a whole prefix, and nothing another writer may
+own is removed.
 """
 from __future__ import annotations
 
@@ -72,13 +64,13 @@ from ..storage.base import FORGED, MISSING, AbandonedCall, StorageAdapter, buffe
 from ..storage.staging import StagingPool
 from ..topology import RankCoords
 from .checksums import Ahead, Behind, InPlace, checks_inline
-from .objects import HEADER_BYTES, NO_TENANT, damaged, encode_header, expected_prefixes, intact
+from .healer import Healer
+from .objects import HEADER_BYTES, NO_TENANT, damaged, encode_header, expected_prefix, expected_prefixes, intact
 
 PREFETCH_CHUNK_PAGES = 256  # most pages per storage call; `cancel` is honoured between calls
 STAGING_BYTES = 32 << 20    # most bytes per staged prefetch call, unless one page is more
 MIN_RUN_BYTES = 4 << 10     # a page in runs moves in place when each run is at least this...
 MAX_RUNS = 512              # ...and they are at most this many (an object's parts are one readv)
-DAMAGED_KEYS = 4096         # most keys of damaged objects a store remembers for their next backup
 
 
 @dataclass
@@ -95,7 +87,7 @@ class BackupResult:
 class PrefetchResult:
     pages: int = 0        # leading pages read and verified into the host pages
     bytes: int = 0
-    corrupt: int = 0      # objects that failed verification (treated as misses)
+    corrupt: int = 0      # objects that failed verification, or of another size (treated as misses)
     damaged: int = 0      # of those, damaged copies of this reader's own: rewritten by their next backup
     forged: int = 0       # objects that failed authentication in a sealed store (misses too)
     missing: int = 0      # objects absent from a page whose other objects were read
@@ -113,7 +105,7 @@ class StoreCounters:
     forged_objects: int = 0
     missing_objects: int = 0
     storage_errors: int = 0
-    healed_objects: int = 0      # damaged objects removed and written afresh by a backup
+    healed_objects: int = 0      # damaged copies of ours removed and written afresh by a backup
     bytes_written: int = 0
     bytes_read: int = 0
     quarantined_bytes: int = 0   # a gauge: staging held by abandoned calls not yet returned
@@ -142,8 +134,7 @@ class PageStore:
         self._hosts: dict[int, tuple[torch.Tensor, memoryview, list[tuple[int, int]]]] = {}
         self._pinned: set[int] = set()
         self._hosts_lock = threading.Lock()
-        self._damaged: dict[str, None] = {}    # keys of damaged objects found, oldest first
-        self._damaged_lock = threading.Lock()
+        self.healer = Healer(adapter, self.staging, lambda: self.counters.add(storage_errors=1))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -199,29 +190,6 @@ class PageStore:
         slot = self._slot(host, page, spec)
         return [tensor_bytes(slot).cast("B")] if slot.is_contiguous() else slot
 
-    def _found_damaged(self, key: str) -> None:
-        with self._damaged_lock:
-            self._damaged[key] = None
-            if len(self._damaged) > DAMAGED_KEYS:
-                del self._damaged[next(iter(self._damaged))]
-
-    def _heal(self, keys: list[str]) -> set[str]:
-        """Those of `keys` found damaged, removed from storage so the write that follows stores
-        them afresh. Forgotten here either way: if the removal fails, the write skips the
-        object, and the next prefetch finds it damaged again."""
-        if not self._damaged:
-            return set()
-        with self._damaged_lock:
-            healing = {key for key in keys if key in self._damaged}
-            for key in healing:
-                del self._damaged[key]
-        if healing:
-            try:
-                self.adapter.batch_remove(sorted(healing))
-            except StorageError:
-                self.counters.add(storage_errors=1)
-        return healing
-
     def _write_pages(self, page_hashes: list[str]) -> range:
         """Indices of the pages this rank writes."""
         n, c = len(page_hashes), self.coords
@@ -236,7 +204,7 @@ class PageStore:
     def backup(self, page_hashes: list[str], host: HostPool, host_pages: list[int], *,
                tenant: bytes = NO_TENANT) -> BackupResult:
         """Store the given host pages under their hashes, as `tenant`'s (8 bytes); the adapter
-        skips what it already holds, except objects a prefetch found damaged (rewritten)."""
+        skips what it already holds, except damaged copies of ours (`healer.py`: rewritten)."""
         _check_args(page_hashes, host_pages, tenant)
         result = BackupResult(ok=[True] * len(page_hashes))
         mine = self._write_pages(page_hashes)
@@ -253,7 +221,8 @@ class PageStore:
         corrupt = self.fault == "corrupt-stored"    # wrong bytes, checksummed as if right
         staged = [corrupt or isinstance(source, torch.Tensor) for _, source in jobs]
         keys = [spec.key for spec, _ in jobs]
-        healing = self._heal(keys)
+        healing = self.healer.heal(keys, sizes, lambda j: expected_prefix(keys[j], jobs[j][0], self.namespace,
+                                                                         sizes[j], tenant))
         try:
             gathered = sum(n for n, s in zip(sizes, staged) if s)
             with self.staging.lease(gathered) if gathered else contextlib.nullcontext(memoryview(b"")) as staging:
@@ -315,8 +284,9 @@ class PageStore:
     def prefetch(self, page_hashes: list[str], host: HostPool, host_pages: list[int],
                  cancel: threading.Event | None = None, *, tenant: bytes = NO_TENANT) -> PrefetchResult:
         """Read the leading run of stored pages, `tenant`'s (8 bytes), into `host_pages`; stop
-        at the first gap or bad object. The pages after the verified run may hold anything,
-        and while a call in `late` runs, it may still write into them."""
+        at the first gap or bad object (one that is or may be a damaged copy of ours goes to
+        the healer with every later object, unread). The pages after the verified run may hold
+        anything, and while a call in `late` runs, it may still write into them."""
         _check_args(page_hashes, host_pages, tenant)
         result = PrefetchResult()
         if not page_hashes:
@@ -333,8 +303,11 @@ class PageStore:
             if cancel is not None and cancel.is_set():
                 break
             stop = min(start + per_call, len(page_hashes))
-            good = self._read_chunk(specs[start:stop], dests[start:stop], tenant, result, direct)
+            good, doubt = self._read_chunk(specs[start:stop], dests[start:stop], tenant, result, direct)
             result.pages += good
+            if doubt is not None:
+                at, proven = doubt
+                self.healer.found([spec.key for page in specs[start:] for spec in page][at:], proven)
             if good < stop - start:
                 break
         self.counters.add(bytes_read=result.bytes, corrupt_objects=result.corrupt, forged_objects=result.forged,
@@ -342,15 +315,17 @@ class PageStore:
         return result
 
     def _read_chunk(self, specs: list[list[ObjectSpec]], dests: list[list], tenant: bytes,
-                    result: PrefetchResult, direct: bool) -> int:
+                    result: PrefetchResult, direct: bool) -> tuple[int, tuple[int, bool] | None]:
         """Read a run of pages in one call, each object checked as it lands; the number of
-        leading good pages. `direct`: payloads land in their host pages, and only headers in
-        staging; else everything lands in staging (a ring when the adapter lands each object
-        in turn) and each good object is copied to its host page. What an object is checked
-        against (its size, its header up to the checksum) is worked out before the call, so
-        what runs per object while the bytes stream in, evicting everything else from cache,
-        is one checksum, one compare and at most one copy from cache; for a direct read
-        checked inline, straight from the adapter's report of the object (`InPlace`)."""
+        leading good pages, and, when the run ended at an object that is (True) or may be
+        (False) a damaged copy of ours, that object's index and which. `direct`: payloads land
+        in their host pages, and only headers in staging; else everything lands in staging (a
+        ring when the adapter lands each object in turn) and each good object is copied to its
+        host page. What an object is checked against (its size, its header up to the
+        checksum) is worked out before the call, so what runs per object while the bytes
+        stream in, evicting everything else from cache, is one checksum, one compare and at
+        most one copy from cache; for a direct read checked inline, straight from the adapter's
+        report of the object (`InPlace`)."""
         per_page = len(specs[0])
         objects = [(spec, dest) for page_specs, page_dests in zip(specs, dests)
                    for spec, dest in zip(page_specs, page_dests)]
@@ -382,21 +357,22 @@ class PageStore:
                 outcomes = checks.finish(got)
         except StorageError:
             result.errors += 1
-            return 0
+            return 0, None
         good_sizes: list[int] = []  # bytes of each leading verified object
+        doubt = None
         for group_sizes, end in outcomes:
             good_sizes += group_sizes
             if end is not None:
-                result.corrupt += end in ("corrupt", "damaged")
+                result.corrupt += end in ("corrupt", "damaged", "short")
                 result.forged += end == "forged"
                 result.missing += end == "missing" and len(good_sizes) % per_page != 0
-                if end == "damaged":
-                    result.damaged += 1
-                    self._found_damaged(objects[len(good_sizes)][0].key)
+                result.damaged += end == "damaged"
+                if end in ("damaged", "short"):
+                    doubt = (len(good_sizes), end == "damaged")
                 break
         good = len(good_sizes) // per_page
         result.bytes += sum(good_sizes[:good * per_page])
-        return good
+        return good, doubt
 
 
 def _check_args(page_hashes: list[str], host_pages: list[int], tenant: bytes) -> None:
@@ -450,9 +426,10 @@ def _land(group: range, got: list[int], sizes: list[int], prefixes: list[bytes],
 
 
 def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload: list) -> str | None:
-    """Why an object read as `got` bytes is no good (missing, forged, corrupt, or damaged: corrupt
-    and a broken copy of this reader's own object); None: intact. An object shorter than
-    expected is damaged: no writer of its key stores one (a sealed object is longer)."""
+    """Why an object read as `got` bytes is no good (missing, forged, corrupt, damaged: corrupt
+    and a broken copy of this reader's own object, or short: a shorter object, unread, whose
+    header alone can say whether it is ours cut short); None: intact. A longer one is
+    another writer's (corrupt): every writer of ours stores exactly the header and payload."""
     if got == size:
         if intact(header, prefix, payload):
             return None
@@ -461,4 +438,4 @@ def _verdict(got: int, size: int, prefix: bytes, header: memoryview, payload: li
         return "missing"
     if got == FORGED:
         return "forged"
-    return "damaged" if 0 <= got < size else "corrupt"
+    return "short" if 0 <= got < size else "corrupt"

@@ -1,9 +1,12 @@
 """`bench --only vllm-serve`, reduced: real vLLM OpenAI servers (CPU build) driven by vLLM's own
 `bench serve` client, few requests, three of the five runs."""
+import os
+
 import pytest
 
-from hicache_async.app.bench.vllm_engine import write_llama, write_tokenizer
-from hicache_async.app.bench.vllm_serve_figures import LLAMA, STATS, ServeFailed, Server, vllm_serve_figures
+from hicache_async.app.bench.vllm_engine import pinned_threads, write_llama, write_tokenizer
+from hicache_async.app.bench.vllm_serve_figures import (ENV, LLAMA, STATS, ServeFailed, Server, _first_uses,
+                                                        vllm_serve_figures)
 
 pytest.importorskip("hicache_vllm")
 
@@ -14,6 +17,7 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
     figures = {f["name"]: f for f in vllm_serve_figures(quick=True, runs=RUNS)}
     names = [f"vllm_serve_{run}_{stat}_s" for run in RUNS[1:] for stat in STATS]
     names += [f"vllm_serve_{run}_connector_hit_tokens" for run in RUNS[1:]]
+    names += [f"vllm_serve_{run}_first_use_ttft_s" for run in RUNS[1:]]
     assert sorted(figures) == sorted(names + ["vllm_serve_file_l3_vs_host_median_ttft_s"])
     for name in names:
         fig = figures[name]
@@ -30,6 +34,28 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
     assert host["value"] < host["baseline_value"], host
     goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]
     assert goal["goal_max_ratio"] == 1.3 and goal["goal_met"] == (goal["ratio"] <= 1.3)
+    # 5 first uses a side: the ready check already sent the first prompt's prefix. Each runs the
+    # whole prefill, so each is slower than the host tier's median request, a hit: a prompt
+    # taken for a first use that was not one would be a hit there.
+    for run in RUNS[1:]:
+        miss = figures[f"vllm_serve_{run}_first_use_ttft_s"]
+        assert len(miss["first_uses"]) == len(miss["baseline_first_uses"]) == 5, miss
+        assert miss["goal_max_ratio"] == 1.05 and miss["goal_met"] == (miss["ratio"] <= 1.05)
+    assert min(figures["vllm_serve_host_first_use_ttft_s"]["first_uses"]) > host["value"]
+
+
+def test_each_prefix_first_use_is_timed_once_and_the_ready_checked_prefix_never():
+    assert _first_uses([0.1, 0.5, 0.2, 0.6, 0.3], [0, 1, 0, 2, 1]) == [0.5, 0.6]
+    with pytest.raises(ServeFailed, match="2 TTFTs for 3 prompts"):
+        _first_uses([0.1, 0.2], [0, 1, 2])
+
+
+def test_every_server_and_engine_is_bound_to_the_same_cores():
+    assert ENV["VLLM_CPU_OMP_THREADS_BIND"] == pinned_threads()
+    cores = sorted(os.sched_getaffinity(0))
+    assert pinned_threads() == ",".join(map(str, cores))
+    ranks = [r.split(",") for r in pinned_threads(2).split("|")]
+    assert len(ranks) == 2 and all(ranks) and (len(cores) < 2 or not set(ranks[0]) & set(ranks[1]))
 
 
 def test_a_server_that_fails_to_start_is_one_error_naming_its_run_and_log(tmp_path):

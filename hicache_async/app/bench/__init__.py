@@ -12,9 +12,11 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     from . import admission
     from . import core_figures as core
     from . import sync_figures as sync
+    from .gpu_copy_figures import gpu_copy_figures
     from .sglang_figures import sglang_figures
     from .storage_figures import storage_figures
     from .vllm_figures import vllm_figures
+    from .vllm_fleet_figures import vllm_fleet_figures
     from .vllm_serve_figures import vllm_serve_figures
 
     n = 1 if quick else 4
@@ -27,6 +29,8 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "sglang": lambda: sglang_figures(quick=quick),
         "vllm": lambda: vllm_figures(quick=quick),
         "vllm-serve": lambda: vllm_serve_figures(quick=quick),
+        "gpu-copies": lambda: gpu_copy_figures(quick=quick),
+        "vllm-fleet": lambda: vllm_fleet_figures(quick=quick),
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }

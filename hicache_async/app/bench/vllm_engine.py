@@ -3,9 +3,10 @@
 `python -m hicache_async.app.bench.vllm_engine SPEC_JSON` prints one JSON line: per `generate`
 step its seconds (TTFT with max_tokens=1), greedy tokens, top-k logprobs, `num_cached_tokens`
 and `kv_transfer_params`. A fresh process per engine is what a server restart is, and keeps
-vLLM's process-wide state out of the next engine. The spec: model, dtype, tp, block_size, the
-connector (None, "HiCacheConnector", by module path or with `by_name` by its entry point, or
-"ExampleConnector") and its extra config, `lora_rank` (LoRA on, adapters up to that rank),
+vLLM's process-wide state out of the next engine. The spec: model, dtype, tp, block_size,
+`load_format` (vLLM's: "dummy" is random weights), the connector (None, "HiCacheConnector",
+by module path or with `by_name` by its entry point, or "ExampleConnector") and its extra
+config, `lora_rank` (LoRA on, adapters up to that rank),
 `prompt_embeds` (prompt embeddings on), named `prompts`, and `steps`: `generate` (a prompt or
 a prompt's name, optional `salt`, `max_tokens`, `logprobs`, `prompt_logprobs`, `lora`
 [name, id, path], or `embeds_seed` for seeded random prompt embeddings of `embeds_len`
@@ -25,6 +26,7 @@ from pathlib import Path
 from ...errors import HiCacheError
 
 MARK = "VLLM-BENCH "
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 TIMEOUT_S = 600
 
 
@@ -117,10 +119,22 @@ def run_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S
 def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """The finished engine process, whatever its exit."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    env.setdefault(THREADS_BIND, pinned_threads(spec.get("tp", 1)))
     if spec.get("tp", 1) == 1:      # one process: starts in seconds, not a minute
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)
+
+
+def pinned_threads(tp: int = 1) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` ranks over the cores this process may use: without it
+    vLLM's multiprocess CPU worker reserves a core less with a KV connector than without one, so
+    a comparison would time different thread counts. (With one rank the worker runs in the
+    engine's own process, the uni executor: vLLM binds nothing, and both sides run torch's
+    default thread count.)"""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // tp)
+    return "|".join(",".join(map(str, cores[(r * per) % len(cores):][:per])) for r in range(tp))
 
 
 class EngineFailed(HiCacheError):
@@ -142,7 +156,8 @@ def main() -> None:
               kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
               block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
               kv_transfer_config=transfer, enable_lora=bool(spec.get("lora_rank")),
-              max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")))
+              max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")),
+              load_format=spec.get("load_format", "auto"))
     prompts, results = spec.get("prompts", {}), []
     for step in spec["steps"]:
         if step["op"] == "reset":

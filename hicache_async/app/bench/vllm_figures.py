@@ -2,7 +2,8 @@
 real vLLM engine (CPU build) can take it, each beside vLLM's own prefix cache in the same run.
 
 Every TTFT is one `generate` with max_tokens=1, the median of a few repetitions after one
-warm-up, each engine a fresh process over the same seeded 8-layer Llama (`vllm_engine`):
+warm-up, each engine a fresh process over the same seeded 8-layer Llama on the same cores
+and thread count (`vllm_engine`):
 - prefix cache: a plain engine, the prompt repeated (the baseline);
 - no cache: the same engine, its prefix cache reset before each repetition;
 - host tier: `HiCacheConnector` with storage none, vLLM's prefix cache reset before each;

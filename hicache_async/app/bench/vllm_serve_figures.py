@@ -9,9 +9,11 @@ run, each beside vLLM alone in the same bench:
 - `host`: our host tier holding every page;
 - `small_host`, `small_host_file`, `small_host_mooncake`: a host tier of a quarter of the
   prefixes, alone, over a file store, and over a real `mooncake_master` on free ports.
-Each gives the client's mean, median and p99 TTFT and its duration, and the tokens our connector
+Each gives the client's mean, median and p99 TTFT and its duration, the median TTFT of each
+prefix's first use (a prompt no tier has seen: what a miss costs), and the tokens our connector
 served (the server's `vllm:external_prefix_cache_hits`; the client's ready check, a copy of its
-first prompt, is counted there too).
+first prompt, is counted there too). Every server has the same cores and thread count
+(`pinned_threads`): vLLM alone must not time a thread count other than ours.
 
 Start-up is most of the time (20 s of imports a server on 2 cores), so every server starts at
 once and one client process runs against each in turn once all serve; an idle server takes
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,7 @@ from pathlib import Path
 from ...errors import HiCacheError
 from ...sim.ranks.launcher import die_with_parent, free_port
 from .figure import figure, skipped
+from .vllm_engine import THREADS_BIND, pinned_threads
 
 LLAMA = {"layers": 8, "hidden": 256, "heads": 4, "intermediate": 512, "vocab": 2048}   # 8 KiB of bf16 KV a token
 BLOCK, DEVICE_KV = 32, 24 << 20                         # 96 blocks: 3,072 tokens
@@ -49,8 +53,11 @@ RUNS = {"vllm": None, "host": {"storage": "none", "host_pages": LARGE_HOST},
 MUST_HIT = ("host", "small_host_file", "small_host_mooncake")
 STATS = ("mean_ttft", "median_ttft", "p99_ttft", "duration")
 GOAL = 1.3                      # small_host_file median TTFT / host median TTFT
+FIRST_USE_GOAL = 1.05           # a miss: our first use of a prefix / vLLM alone's
 START_TIMEOUT_S, CLIENT_TIMEOUT_S, STOP_TIMEOUT_S = 300, 300, 20
-ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+PREFIX_FILE = "prefixes.json"   # beside bench.json: each prompt's prefix, numbered by first use
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       THREADS_BIND: pinned_threads()}
 
 
 class ServeFailed(HiCacheError):
@@ -145,21 +152,24 @@ class Server:
                 "--prefix-repetition-suffix-len", str(SUFFIX), "--prefix-repetition-num-prefixes", str(PREFIXES),
                 "--prefix-repetition-output-len", "1", "--num-prompts", str(requests), "--max-concurrency", "1",
                 "--seed", "0", "--temperature", "0", "--percentile-metrics", "ttft", "--metric-percentiles", "50,99",
-                "--ready-check-timeout-sec", "60", "--disable-tqdm",
-                "--save-result", "--result-dir", str(self.workdir), "--result-filename", "bench.json"]
+                "--ready-check-timeout-sec", "60", "--disable-tqdm", "--save-result", "--save-detailed",
+                "--result-dir", str(self.workdir), "--result-filename", "bench.json"]
 
     def result(self, requests: int) -> dict:
-        """The client's TTFTs and duration in seconds, and the server's prefix-cache counters."""
+        """The client's TTFTs and duration in seconds, each prefix's first use's TTFTs, and the
+        server's prefix-cache counters."""
         result = json.loads((self.workdir / "bench.json").read_text())
         if result["completed"] != requests:
             raise ServeFailed(f"vllm-serve {self.run}: {result['failed']} of {requests} requests failed "
                               f"(log {self.log})")
+        first_uses = _first_uses(result["ttfts"], json.loads((self.workdir / PREFIX_FILE).read_text()))
         metrics = urllib.request.urlopen(f"{self.base}/metrics", timeout=10).read().decode()
         hits = _counter(metrics, "vllm:external_prefix_cache_hits_total")
         if self.run in MUST_HIT and not hits:
             raise ServeFailed(f"vllm-serve {self.run}: our connector served no tokens (log {self.log})")
         return {**{s: result[f"{s}_ms"] / 1e3 for s in STATS[:3]}, "duration": result["duration"],
-                "connector_hits": hits, "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits_total")}
+                "first_uses": first_uses, "connector_hits": hits,
+                "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits_total")}
 
     def stop(self) -> None:
         """SIGTERM the process group (vLLM shuts its engine down), SIGKILL it if it lingers."""
@@ -193,6 +203,19 @@ def _bench_serve(servers: list[Server], requests: int) -> None:
                           f"{_tail(proc.stdout + proc.stderr)}")
 
 
+def _first_uses(ttfts: list[float], prefixes: list[int]) -> list[float]:
+    """The TTFTs of the requests that use their prefix first, in seconds. The client's ready
+    check sends the first prompt untimed before them, so its prefix has no first use here."""
+    if len(ttfts) != len(prefixes):
+        raise ServeFailed(f"vllm-serve: {len(ttfts)} TTFTs for {len(prefixes)} prompts")
+    seen, firsts = {prefixes[0]}, []
+    for ttft, prefix in zip(ttfts, prefixes):
+        if prefix not in seen:
+            seen.add(prefix)
+            firsts.append(ttft)
+    return firsts
+
+
 def _counter(metrics: str, name: str) -> int:
     """A Prometheus counter's value, summed over its label sets."""
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
@@ -211,6 +234,11 @@ def _figures(results: dict[str, dict | str]) -> list[dict]:
             figures += [skipped(f"vllm_serve_{run}_{s}_s", "s", f"vllm_serve_vllm_{s}_s", r) for s in STATS]
             continue
         figures += [figure(f"vllm_serve_{run}_{s}_s", r[s], "s", f"vllm_serve_vllm_{s}_s", base[s]) for s in STATS]
+        miss = figure(f"vllm_serve_{run}_first_use_ttft_s", statistics.median(r["first_uses"]), "s",
+                      "vllm_serve_vllm_first_use_ttft_s", statistics.median(base["first_uses"]))
+        figures.append({**miss, "first_uses": [round(t, 3) for t in r["first_uses"]],
+                        "baseline_first_uses": [round(t, 3) for t in base["first_uses"]],
+                        "goal_max_ratio": FIRST_USE_GOAL, "goal_met": miss["ratio"] <= FIRST_USE_GOAL})
         hits = figure(f"vllm_serve_{run}_connector_hit_tokens", r["connector_hits"], "tokens",
                       "vllm_serve_vllm_prefix_cache_hit_tokens", base["prefix_cache_hits"])
         figures.append({**hits, "prefix_cache_hit_tokens": r["prefix_cache_hits"]})
@@ -224,15 +252,23 @@ def _figures(results: dict[str, dict | str]) -> list[dict]:
 
 def main() -> None:
     """`python -m hicache_async.app.bench.vllm_serve_figures ARGV_LISTS_JSON`: vLLM's `bench serve`
-    (what `vllm bench serve` runs) for each argument list in turn, importing vLLM once."""
+    (what `vllm bench serve` runs) for each argument list in turn, importing vLLM once. Beside
+    each result it writes which prefix each prompt has: the client's seeded dataset, sampled
+    again, in the order it sent them."""
+    from vllm.benchmarks.datasets import get_samples
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_serve
+    from vllm.tokenizers import get_tokenizer
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     for argv in json.loads(sys.argv[1]):
-        bench_serve(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        bench_serve(args)
+        prompts = [r.prompt.split()[:PREFIX] for r in get_samples(args, get_tokenizer(args.model))]
+        ids: dict[tuple, int] = {}
+        Path(args.result_dir, PREFIX_FILE).write_text(json.dumps([ids.setdefault(tuple(p), len(ids)) for p in prompts]))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache_async.errors import UsageError
 from hicache_async.storage.sealed import load_key
 from hicache_async.topology import RankCoords
 
 from . import settings as config
 from .kv_layout import ordered_layers, version_family, worker_layout
+from .load_failures import recompute_load_failures
 from .model_identity import model_identity, refuse_unkeyable
 from .prom import HiCachePromMetrics
 from .scheduler import SchedulerSide
@@ -34,8 +34,6 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self.settings.storage_secret_file:
             load_key(self.settings.storage_secret_file)     # a bad secret file stops start-up here
         parallel = vllm_config.parallel_config
-        if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-            raise UsageError("HiCacheConnector: decode context parallel is not supported yet")
         refuse_unkeyable(vllm_config)
         self.model_id = model_identity(vllm_config, self.settings.model_id)
         self.page_size = vllm_config.cache_config.block_size
@@ -43,6 +41,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            recompute_load_failures(vllm_config.kv_transfer_config)     # read by vLLM's Scheduler after this
             workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
             self.scheduler = SchedulerSide(self.settings, self.page_size, workers, self.model_id)
 
@@ -89,7 +88,15 @@ class HiCacheConnector(KVConnectorBase_V1):
         are final only when every token of its page has been written."""
 
     def wait_for_save(self) -> None:
+        """Issues the step's saves and returns: they land on events the worker reports."""
         self.worker.finish(self._get_connector_metadata())
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self.worker.preempted(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose saves landed: vLLM frees the blocks it kept for them."""
+        return self.worker.finished_sending(self._get_connector_metadata()) or None, None
 
     def build_connector_worker_meta(self):
         return self.worker.reports() if self.worker is not None else None
@@ -108,6 +115,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -130,13 +139,16 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output):
         block_ids = self._kv_cache_manager.get_block_ids
-        return self.scheduler.build(scheduler_output.num_scheduled_tokens, lambda rid: block_ids(rid)[0])
+        return self.scheduler.build(scheduler_output.num_scheduled_tokens, lambda rid: block_ids(rid)[0],
+                                    scheduler_output.preempted_req_ids or ())
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.reported(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return False, self.scheduler.finished(request) or None
+        """True keeps the request's blocks until its saves landed (`get_finished`)."""
+        keep, params = self.scheduler.finished(request)
+        return keep, params or None
 
     def take_events(self):
         return self.scheduler.events.take()

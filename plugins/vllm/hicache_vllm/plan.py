@@ -1,10 +1,12 @@
 """What the scheduler tells every worker each step, and what the workers answer.
 
 The scheduler decides; every worker (each TP rank, each PP stage) gets the same plan and moves
-its own share of the bytes, so their host tiers hold the same pages in the same slots. Work
-a worker finishes later (an L3 prefetch, a backup) comes back as a report per job; vLLM sums
-the workers' reports, and a job is done once every worker has reported it, with the fewest
-pages any of them verified.
+its own share of the bytes, so their host tiers hold the same pages in the same slots. What a
+worker finishes later comes back as a report: a plan's copies (its loads and saves, which on a
+GPU land on events steps later) by the plan's number, an L3 job (a prefetch, a backup) by the
+job's. vLLM sums the workers' reports; a plan or job is done once every worker has reported it,
+a job with the fewest pages any of them verified. Only then does a slot change state
+(`host_slots.py`).
 """
 from __future__ import annotations
 
@@ -16,58 +18,71 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class Move:
-    """Pages between vLLM blocks and host slots (a load, or a save), in page order."""
+    """Pages between vLLM blocks and host slots (a load, or a save), in page order; `pages`
+    names what each slot holds, so a worker can refuse a load from a slot that holds another."""
 
     req_id: str
     slots: list[int]
     blocks: list[int]
+    pages: list[str]
+    tenant: bytes = b""
 
     def keeping(self, keep: list[bool]) -> "Move":
         """The move of only the pages `keep` marks."""
-        pages = [(s, b) for s, b, k in zip(self.slots, self.blocks, keep) if k]
-        return Move(self.req_id, [s for s, _ in pages], [b for _, b in pages])
+        kept = [p for p, k in zip(zip(self.slots, self.blocks, self.pages), keep) if k]
+        slots, blocks, pages = (list(column) for column in zip(*kept)) if kept else ([], [], [])
+        return Move(self.req_id, slots, blocks, pages, self.tenant)
 
 
 @dataclass
 class Job:
     """Work with L3: a backup stores host `slots` under `hashes`; a prefetch reads `hashes`
-    into host `slots` (held for it, in no page's use), verified, until the first that fails."""
+    into host `slots` (FILLING, in no page's use), verified, until the first that fails."""
 
     job: int
     hashes: list[str]
     tenant: bytes
     slots: list[int] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)    # vLLM's, for the job's span
-    slots_left: bool = False     # a backup's slots left the tier when it was issued (write_back)
+    after_save: bool = False     # a backup of this plan's saves: each worker starts it once they landed
 
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
     """In the order a worker carries it out."""
 
-    evictions: list[Job] = field(default_factory=list)    # host -> L3 before the slots are reused
-    loads: list[Move] = field(default_factory=list)       # host -> blocks, before the forward pass
+    step: int = 0
+    loads: list[Move] = field(default_factory=list)       # host -> blocks, beside the forward pass
     saves: list[Move] = field(default_factory=list)       # blocks -> host, after it
     backups: list[Job] = field(default_factory=list)      # host -> L3, in the background
     prefetches: list[Job] = field(default_factory=list)   # L3 -> host slots, in the background
+    keep: list[str] = field(default_factory=list)         # finished requests whose blocks vLLM keeps till
+                                                          # their saves landed (reported in get_finished)
+    preempted: list[str] = field(default_factory=list)    # their blocks are reused: their saves must land first
     idle: bool = False                                    # no forward pass: only L3 is awaited
+
+    @property
+    def copies(self) -> bool:
+        return bool(self.loads or self.saves)
 
 
 @dataclass
 class JobReports(KVConnectorWorkerMetadata):
-    """Per finished job: (workers that reported it, fewest pages verified or stored); the host
-    slots a worker left stale (their pages must not be loaded); and, per host slot, how many
-    workers' abandoned reads may still write into it (`held`), or have since returned
+    """Per finished job: (workers that reported it, fewest pages verified or stored); per plan
+    whose copies (loads and saves) landed: workers that reported it; and, per host slot, how
+    many workers' abandoned reads may still write into it (`held`), or have since returned
     (`released`): the slot is free for reuse only when every hold is released."""
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
-    stale: set[int] = field(default_factory=set)
+    copied: Counter = field(default_factory=Counter)
     held: Counter = field(default_factory=Counter)
     released: Counter = field(default_factory=Counter)
+    synchronous: int = 0        # workers whose copies land before their step ends (CPU), said once
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
         merged = dict(self.done)
         for job, (reports, pages) in other.done.items():
             seen, least = merged.get(job, (0, pages))
             merged[job] = (seen + reports, min(least, pages))
-        return JobReports(merged, self.stale | other.stale, self.held + other.held, self.released + other.released)
+        return JobReports(merged, self.copied + other.copied, self.held + other.held, self.released + other.released,
+                          self.synchronous + other.synchronous)

@@ -4,28 +4,34 @@ A prompt's pages are named by our chained page hash over its token ids and every
 that decides their KV (`request_keys.py`), so a new process, or another engine over the same
 L3, names them alike, and a request with another adapter or other embeddings names them apart. A request whose prefix
 runs on past vLLM's own cache and our host tier waits one step while the workers read the
-rest from L3 straight into host slots held for it, each object verified; the hit vLLM then loads is only what every
+rest from L3 straight into host slots taken for it, each object verified; the hit vLLM then loads is only what every
 worker verified, so a missing, corrupt, forged or stale object shortens the hit and never
 becomes KV; a read that outlasts `storage_timeout` is not waited for (the prefix is
-recomputed). Host-tier hits load synchronously, layer by layer, beside the forward pass.
-A slot a backup reads stays pinned until every worker reported the backup, so a save never
-waits for L3; a page is not backed up twice at once.
+recomputed). Host-tier hits load layer by layer, beside the forward pass.
+
+Every host slot changes state only through `HostSlots` (`host_slots.py`), on the workers'
+reports: a saved page is loadable and backed up once its copy landed on every worker, a slot
+is reused once every load and backup reading it is done. A save never waits: where no slot
+is free, its pages skip the tier.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import structlog
 
 from hicache_async.keys import tenant_digest
 
-from .host_index import HostIndex
+from .host_slots import HostSlots
 from .plan import Job, JobReports, Move, StepPlan
 from .request_keys import RequestKeys, reads_external
 from .settings import Settings
 from .tier_events import TierEvents
 
+log = structlog.get_logger(__name__)
 KNOWN_PAGES = 1 << 20   # pages the scheduler remembers as stored in L3, and the uses of
 
 
@@ -38,119 +44,170 @@ class RequestPages:
     keyed: bool = True                   # False: something decides its KV that we cannot name
     looked_in_l3: bool = False
     job: int | None = None               # the prefetch it waits for
-    load: tuple[int, list[int]] | None = None   # (first page, slots) to load
+    load: tuple[int, list[int], tuple] | None = None   # (first page, slots, reader token) to load
     saved: int = 0                       # leading pages already in the host tier or planned
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
 
 
+@dataclass
+class PlanCopies:
+    """A plan's loads and saves, until every worker reported them landed."""
+
+    loads: list[tuple] = field(default_factory=list)                  # reader tokens
+    saves: list[tuple[RequestPages, list[int], list[int]]] = field(default_factory=list)  # (request, pages, slots)
+
+
 class SchedulerSide:
     def __init__(self, settings: Settings, page_size: int, workers: int, model_id: str = "") -> None:
         self.settings, self.page_size, self.workers, self.model_id = settings, page_size, workers, model_id
-        self.index = HostIndex(settings.host_pages)
+        self.slots = HostSlots(settings.host_pages)
         self.keys = RequestKeys(page_size)
         self.l3 = settings.storage != "none"
+        self.clock = time.monotonic
         self.requests: dict[str, RequestPages] = {}
         self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
         self.jobs: dict[int, tuple[Job, str, float]] = {}   # unfinished, with their kind and start
+        self.copying: dict[int, PlanCopies] = {}        # plans whose copies not every worker reported
         self.backing_up: set[str] = set()               # pages of unfinished backups
-        self.held: Counter[int] = Counter()             # slots abandoned reads may still write, by workers
-        self.spare: set[int] = set()                    # held slots no page uses: free once released
-        self.reports = JobReports()                     # of jobs not every worker has reported yet
+        self.keep: list[str] = []                       # finished requests whose blocks vLLM keeps for us
+        self.synchronous = 0                            # workers whose copies land within their step
+        self.reports = JobReports()                     # of what not every worker has reported yet
         self.stored_l3: OrderedDict[str, None] = OrderedDict()   # pages known to be in L3, the latest
         self.uses: OrderedDict[str, int] = OrderedDict()         # uses per page (selective write-through)
         self.plan = StepPlan()
         self.events = TierEvents(page_size, settings.host_pages, KNOWN_PAGES)
         self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
         self._ids = itertools.count()
+        self._steps = itertools.count(1)
 
     # -- vLLM's questions ----------------------------------------------------------------
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's question: how many tokens past its own cache can we give? Any error on the
+        way is no hit for this request, logged once, never a stopped engine."""
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:    # noqa: BLE001 - a lookup must never stop the engine core
+            st = self.requests.setdefault(request.request_id, RequestPages(request))
+            if st.keyed:
+                log.warning("hicache: request not cached after an error", request=request.request_id,
+                            error=f"{type(exc).__name__}: {exc}")
+            st.keyed, st.job = False, None
+            self._unload(st)
+            return 0, False
+
+    def _matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self.requests.get(request.request_id)
         if st is None:
             st = self.requests[request.request_id] = RequestPages(request)
-            self._extend(st)
+        if self._extend(st) is None:
+            return None, False              # its keys are still being made
+        if not st.looked_in_l3:
             self._use(st, range(min(num_computed_tokens // self.page_size, len(st.hashes))))  # device hits
         if st.job is not None:
             if not self._overdue(st.job):
                 return None, False          # its L3 read is still under way
             st.job = None                   # not worth waiting for: recompute
+        self._unload(st)
         if not st.keyed or not reads_external(request):
             st.looked_in_l3 = True
             return 0, False
         stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size)
         start = num_computed_tokens // self.page_size
-        run = self.index.run(st.hashes, start, stop) if start < stop else 0
+        run = self.slots.run(st.hashes, start, stop) if start < stop else 0
         missing = stop - start - run
         if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
             st.looked_in_l3 = True
             if self._prefetch(st, st.hashes[start + run:stop]):
                 return None, False
         st.looked_in_l3 = True
-        st.load = (start, self.index.slots(st.hashes[start:start + run])) if run else None
+        if run:
+            slots, token = self.slots.touch(st.hashes[start:start + run]), ("load", next(self._ids))
+            self.slots.read(token, slots)       # held from now: another request's take must not evict them
+            st.load = (start, slots, token)
         return run * self.page_size, False
 
     def allocated(self, request, num_external_tokens: int) -> None:
         st = self.requests.get(request.request_id)
-        if st is None or not num_external_tokens or st.load is None:
+        if st is None or st.load is None:
             return
-        first, slots = st.load
+        if not num_external_tokens:
+            self._unload(st)
+            return
+        first, slots, token = st.load
         slots = slots[:num_external_tokens // self.page_size]
-        st.load = (first, slots)
+        st.load = (first, slots, token)
         self.loading[request.request_id] = st   # vLLM counts these tokens computed: the load must happen
-        self.index.pin(slots)       # till a plan carries the load
         pages = st.hashes[first:first + len(slots)]
-        from_l3 = sum(1 for h in pages if h in self.index.from_l3)
+        from_l3 = self.slots.used_from_l3(pages)   # used once: a later use is a host hit
         st.from_host += len(slots) * self.page_size
         st.from_l3 += from_l3 * self.page_size
         self.counts["host_hit_tokens"] += len(slots) * self.page_size
         self.counts["l3_hit_tokens"] += from_l3 * self.page_size
-        self.index.from_l3.difference_update(pages)    # used once: a later use is a host hit
         self._use(st, range(first, first + len(slots)))
 
-    def build(self, scheduled: dict[str, int], block_ids) -> StepPlan:
-        """This step's plan: what was decided since the last one (prefetches, evictions), the
+    def build(self, scheduled: dict[str, int], block_ids, preempted=()) -> StepPlan:
+        """This step's plan: what was decided since the last one (prefetches, backups), the
         loads decided at allocation, and the saves of every page this step completes."""
         plan, self.plan = self.plan, StepPlan()
+        plan.step, copies = next(self._steps), PlanCopies()
         for req_id in [r for r in self.loading if r in scheduled]:
             st = self.loading.pop(req_id)
-            first, slots = st.load
-            plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)]))
-            self.index.pin(slots, -1)       # workers load before this plan's saves reuse a slot
+            first, slots, token = st.load
+            plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)],
+                                   st.hashes[first:first + len(slots)]))
+            copies.loads.append(token)
             st.load = None
         for req_id, n in scheduled.items():
             st = self.requests.get(req_id)
             if st is not None:
-                self._save(plan, st, st.request.num_computed_tokens + n, block_ids)
+                self._save(plan, copies, st, st.request.num_computed_tokens + n, block_ids)
+        if plan.copies:
+            self.copying[plan.step] = copies
+        plan.keep, self.keep = self.keep, []
+        plan.preempted = list(preempted)
         plan.idle = not scheduled
         return plan
 
-    def finished(self, request) -> dict:
-        """What the request's `kv_transfer_params` say of where its prefix came from."""
+    def finished(self, request) -> tuple[bool, dict]:
+        """Whether vLLM must keep the request's blocks until the workers say its saves landed
+        (`get_finished`: never where every worker's copies land within their step, as on a
+        CPU), and what its `kv_transfer_params` say of where its prefix came from."""
         st = self.requests.pop(request.request_id, None)
         if st is None:
-            return {}
-        if self.loading.pop(request.request_id, None) is not None:
-            self.index.pin(st.load[1], -1)
-        return {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3,
-                            "model": self.model_id}}
+            return False, {}
+        if self.loading.pop(request.request_id, None) is not None or st.load is not None:
+            self._unload(st)
+        saving = self.synchronous < self.workers and any(
+            s is st for copies in self.copying.values() for s, _, _ in copies.saves)
+        if saving:
+            self.keep.append(request.request_id)
+        return saving, {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3,
+                                    "model": self.model_id}}
 
     def reported(self, reports: JobReports | None) -> None:
-        """Fold the workers' job reports in; a job every worker reported is done. Pages in
-        slots a worker left stale are forgotten: no load may read them."""
+        """Fold the workers' reports in; a plan or job every worker reported is done."""
         if reports is None:
             return
-        self.events.removed(self.index.forget_slots(reports.stale), "CPU")
-        self.held.update(reports.held)
-        self.held.subtract(reports.released)
-        free = [s for s in self.spare if self.held[s] <= 0]
-        self.spare.difference_update(free)
-        self.index.give_back(free)
-        self.held = +self.held
-        self.reports = self.reports.aggregate(JobReports(reports.done))
+        for slot, n in reports.held.items():
+            self.slots.late(slot, n)
+        for slot, n in reports.released.items():
+            self.slots.late(slot, -n)
+        self.synchronous += reports.synchronous
+        self.reports = self.reports.aggregate(JobReports(reports.done, reports.copied))
+        for step in [s for s, seen in self.reports.copied.items() if seen >= self.workers]:
+            del self.reports.copied[step]
+            self._copied(step)
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
+
+    def close(self) -> None:
+        """At shutdown: one line for the backups decided but never delivered to a worker."""
+        undelivered = sum(len(job.hashes) for job in self.plan.backups)
+        if undelivered:
+            log.warning("hicache shutdown: backups never delivered to a worker; their pages are not in L3",
+                        pages=undelivered)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -158,20 +215,36 @@ class SchedulerSide:
              req_ids: list[str] = ()) -> Job:
         """A job for the workers; a prefetch's requests wait for it."""
         job = Job(next(self._ids), hashes, tenant, list(slots), list(req_ids))
-        self.jobs[job.job] = (job, kind, time.monotonic())
+        self.jobs[job.job] = (job, kind, self.clock())
         plan_list.append(job)
         return job
 
+    def _take(self, plan: StepPlan, n: int) -> list[int]:
+        """`n` host slots at most, FREE now; under write_back, pages that leave reach L3 first,
+        in `plan` (their slots serve a later step)."""
+        backup = ("leaving",)       # holds the leaving slots till their backups read them
+        write_back = self.l3 and self.settings.write_policy == "write_back"
+        slots, leaving = self.slots.take(n, lambda h: write_back and h not in self.stored_l3, backup)
+        self.events.removed(self.slots.evicted(), "CPU")
+        for tenant in dict.fromkeys(t for _, _, t in leaving):      # one backup a tenant
+            mine = [(h, s) for h, s, t in leaving if t == tenant]
+            job = self._job(plan.backups, "backup", [h for h, _ in mine], tenant, [s for _, s in mine])
+            self.slots.read(job.job, job.slots)
+            self.backing_up.update(job.hashes)
+        self.slots.done(backup)     # the backups read the leaving slots now
+        return slots
+
     def _prefetch(self, st: RequestPages, hashes: list[str]) -> bool:
-        """Read `hashes` from L3 into host slots taken (and pinned) for it now; False when no
-        slot is free."""
+        """Read `hashes` from L3 into host slots taken for it now; False when no slot is free."""
         slots = self._take(self.plan, len(hashes))
         if not slots:
             return False
-        self.index.pin(slots)
         hashes = hashes[:len(slots)]
-        st.job = self._job(self.plan.prefetches, "prefetch", hashes, tenant_digest(st.request.cache_salt),
-                           slots, req_ids=[st.request.request_id]).job
+        tenant = tenant_digest(st.request.cache_salt)
+        st.job = self._job(self.plan.prefetches, "prefetch", hashes, tenant, slots,
+                           req_ids=[st.request.request_id]).job
+        for h, slot in zip(hashes, slots):
+            self.slots.fill(slot, h, tenant, st.job, indexed=False)
         self.counts["l3_looked_pages"] += len(hashes)
         return True
 
@@ -179,77 +252,97 @@ class SchedulerSide:
         """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
         worker that never answers, costs a recompute, not a request parked for ever."""
         job = self.jobs.get(job_id)
-        return job is None or time.monotonic() - job[2] > self.settings.storage_timeout
+        return job is None or self.clock() - job[2] > self.settings.storage_timeout
 
-    def _backup(self, plan_list: list[Job], pages: list[tuple[str, int, bytes]], req_ids: list[str] = (),
-                pinned: bool = True) -> None:
-        """Back up (hash, slot, tenant) pages that L3 is not known to hold and no backup is
-        storing already, one job a tenant. Their slots stay pinned (never reused) till every
-        worker reported the job, unless they already left the tier (`pinned` False)."""
-        todo = [p for p in dict((p[0], p) for p in pages).values()
-                if p[0] not in self.stored_l3 and p[0] not in self.backing_up]
-        for tenant in dict.fromkeys(t for _, _, t in todo):
-            mine = [(h, s) for h, s, t in todo if t == tenant]
-            job = self._job(plan_list, "backup", [h for h, _ in mine], tenant, [s for _, s in mine], req_ids=req_ids)
-            self.backing_up.update(job.hashes)
-            if pinned:
-                self.index.pin(job.slots)
-            else:
-                job.slots_left = True
+    def _backup(self, plan: StepPlan, pages: list[str], tenant: bytes, req_ids: list[str] = (),
+                after_save: list[int] | None = None) -> None:
+        """Back up `pages` that L3 is not known to hold and no backup is storing already: HOLDING
+        ones, or (`after_save`, their slots) ones this plan saves, which each worker backs up
+        once its save landed. Their slots are read by the backup (never reused) till every
+        worker reported it."""
+        slot_of = dict(zip(pages, after_save)) if after_save is not None else {}
+        todo = [h for h in dict.fromkeys(pages) if h not in self.stored_l3 and h not in self.backing_up
+                and (h in slot_of or self.slots.holding(h))]
+        if not todo:
+            return
+        slots = [slot_of.get(h, self.slots.slot_of[h]) for h in todo]
+        job = self._job(plan.backups, "backup", todo, tenant, slots, req_ids=req_ids)
+        job.after_save = after_save is not None
+        self.slots.read(job.job, slots, after_fill=job.after_save)
+        self.backing_up.update(todo)
 
-    def _take(self, plan: StepPlan, n: int) -> list[int]:
-        """`n` host slots at most; under write_back, the pages that leave go to L3 first."""
-        slots, evicted = self.index.take(n)
-        self.events.removed([h for h, _, _ in evicted], "CPU")
-        if self.l3 and evicted and self.settings.write_policy == "write_back":
-            self._backup(plan.evictions, evicted, pinned=False)
-        return slots
-
-    def _save(self, plan: StepPlan, st: RequestPages, computed: int, block_ids) -> None:
+    def _save(self, plan: StepPlan, copies: PlanCopies, st: RequestPages, computed: int, block_ids) -> None:
         """Host slots for the request's pages that this step completes, not yet in the tier."""
-        self._extend(st)
-        if not st.keyed:
+        if not self._extend(st):
             return
         full = min(computed // self.page_size, len(st.hashes))
-        todo = [p for p in range(st.saved, full) if st.hashes[p] not in self.index.slot_of]
+        todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p])]
         st.saved = max(st.saved, full)
         if not todo:
             return
         slots = self._take(plan, len(todo))
         if not slots:
-            return      # every slot is held by a load still to come: these pages skip the tier
+            return      # every slot is read, filling or leaving: these pages skip the tier
         todo = todo[:len(slots)]
         blocks = block_ids(st.request.request_id)
-        plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo]))
+        pages = [st.hashes[p] for p in todo]
         tenant = tenant_digest(st.request.cache_salt)
-        pages = [(st.hashes[p], s, tenant) for p, s in zip(todo, slots)]
-        for h, s, t in pages:
-            self.index.put(h, s, t)
-        self.events.stored(st.request, todo, st.hashes, "CPU")
-        if self.l3 and self.settings.write_policy == "write_through":
-            self._backup(plan.backups, pages, [st.request.request_id])
+        plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo], pages, tenant))
+        for h, slot in zip(pages, slots):
+            self.slots.fill(slot, h, tenant, ("save", plan.step), indexed=True)
+        copies.saves.append((st, todo, slots))
         self._use(st, todo)
+        worthy = [(h, slot) for h, slot in zip(pages, slots) if self._worth_backing_up(h)]
+        if self.l3 and worthy:      # in this plan, so it is delivered even if no step follows
+            self._backup(plan, [h for h, _ in worthy], tenant, [st.request.request_id],
+                         after_save=[s for _, s in worthy])
 
-    def _extend(self, st: RequestPages) -> None:
-        """Hashes for every full page of the request's tokens so far."""
-        st.keyed = st.keyed and self.keys.extend(st.request, st.hashes)
+    def _copied(self, step: int) -> None:
+        """Every worker's copies of plan `step` landed: its loads' slots are free to go, its
+        saved pages are in the tier (and announced)."""
+        copies = self.copying.pop(step)
+        for token in copies.loads:
+            self.slots.done(token)
+        for st, todo, slots in copies.saves:
+            held = set(self.slots.filled(("save", step), slots))
+            self.events.stored(st.request, [p for p in todo if st.hashes[p] in held], st.hashes, "CPU")
+
+    def _worth_backing_up(self, page: str) -> bool:
+        policy = self.settings.write_policy
+        return policy == "write_through" or (policy == "write_through_selective" and self.uses.get(page, 0) >= 2)
+
+    def _extend(self, st: RequestPages) -> bool | None:
+        """Hashes for every full page of the request's tokens so far; None while its keys are
+        still being made, False when it cannot be keyed."""
+        if st.keyed:
+            ready = self.keys.extend(st.request, st.hashes)
+            if ready is None:
+                return None
+            st.keyed = ready
+        return st.keyed
+
+    def _unload(self, st: RequestPages) -> None:
+        """Drop a load no plan carries (vLLM took fewer tokens, or asks again): its slots are
+        free to go."""
+        self.loading.pop(st.request.request_id, None)
+        if st.load is not None:
+            self.slots.done(st.load[2])
+            st.load = None
 
     def _use(self, st: RequestPages, pages) -> None:
         """Count a use of the request's `pages` (indices): computed, or reused from vLLM's
         device cache or our host tier. write_through_selective backs a page up on its second
-        use, from its host slot, if it still has one."""
+        use, from its host slot once its copy landed."""
         if self.settings.write_policy != "write_through_selective":
             return
         again = []
         for h in (st.hashes[p] for p in pages):
             self.uses[h] = self.uses.pop(h, 0) + 1
-            if self.uses[h] >= 2 and h in self.index.slot_of:
+            if self.uses[h] >= 2:
                 again.append(h)
         _forget_oldest(self.uses)
         if self.l3 and again:
-            tenant = tenant_digest(st.request.cache_salt)
-            self._backup(self.plan.backups, [(h, self.index.slot_of[h], tenant) for h in again],
-                         [st.request.request_id])
+            self._backup(self.plan, again, tenant_digest(st.request.cache_salt), [st.request.request_id])
 
     def _done(self, job_id: int, pages: int) -> None:
         job, kind, _ = self.jobs.pop(job_id)
@@ -258,22 +351,12 @@ class SchedulerSide:
             self.stored_l3.pop(h, None)
         _forget_oldest(self.stored_l3)
         if kind == "backup":
+            self.slots.done(job_id)
             self.backing_up.difference_update(job.hashes)
-            if not job.slots_left:
-                self.index.pin(job.slots, -1)
             self.events.stored_hashes(job.hashes[:pages], "STORAGE")
             return
-        self.index.pin(job.slots, -1)
-        spare, put = [], []
-        for i, (h, slot) in enumerate(zip(job.hashes, job.slots)):
-            if i < pages and h not in self.index.slot_of:
-                self.index.put(h, slot, job.tenant, from_l3=True)
-                put.append(h)
-            else:
-                spare.append(slot)
+        put = self.slots.filled(job_id, job.slots, verified=pages, from_l3=True)
         self.counts["l3_prefetched_pages"] += len(put)
-        self.index.give_back([s for s in spare if self.held[s] <= 0])
-        self.spare.update(s for s in spare if self.held[s] > 0)
         for req_id in job.req_ids:
             st = self.requests.get(req_id)
             if st is not None:

@@ -42,15 +42,16 @@ def on_signals(flush_timeout: float) -> None:
                     f"(seconds), under flush_timeout {flush_timeout:g}; raise them for a graceful drain")
 
 
-def flush(running: set[Future], timeout: float) -> int:
-    """Wait up to `timeout` seconds for the L3 jobs still `running`, signals held off; how many
-    were abandoned (logged, in one line, when any)."""
+def flush(running: dict[Future, int], timeout: float) -> int:
+    """Wait up to `timeout` seconds for the L3 jobs still `running` (each with the pages it
+    writes), signals held off; the pages left unwritten (logged, in one line, when any)."""
     with _held():
         _, abandoned = wait(list(running), timeout=timeout)
+    lost = sum(running.get(f, 0) for f in abandoned)
     if abandoned:
-        log.warning("hicache shutdown: L3 jobs abandoned after flush_timeout; their pages may be "
-                    "missing from L3", jobs=len(abandoned), flush_timeout=timeout)
-    return len(abandoned)
+        log.warning("hicache shutdown: L3 jobs cancelled after flush_timeout; their pages are not in L3",
+                    jobs=len(abandoned), pages=lost, flush_timeout=timeout)
+    return lost
 
 
 def _exit(signum: int, frame) -> None:

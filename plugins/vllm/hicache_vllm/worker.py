@@ -1,21 +1,27 @@
 """The worker side: carries out each step's plan on this rank's share of the KV.
 
-Copies between vLLM's blocks and the host pool run on the step's own thread (a CUDA copy
-stream on a GPU), loads layer by layer as the forward pass asks for them. L3 work runs in the
-background on an anyio event loop of the worker's own (a blocking portal), its storage calls
-on worker threads under one capacity limiter per kind; each finished job is reported once.
-A prefetch reads straight into the host slots the scheduler held for it, no page's yet, so a
-verified page is in its slot with no copy; an L3 call given up on may still write into the
-slots past the verified run, and they are reported held until it returns, so the scheduler
-gives them to no page before then and late bytes never reach a page vLLM reads. A slot a
-backup still reads is not written until it is done (`SlotReaders`); loads only read slots,
-so they never wait for backups.
+Copies between vLLM's blocks and the host pool go through the core's copy engine
+(`BlockCopies`): a few launches a layer on a GPU, each batch completing on an event. Loads run
+layer by layer beside the forward pass; saves are issued after it and never waited for: each
+plan's copies are reported landed once their events are (`reports`), and only then does the
+scheduler let a backup read a saved slot or reuse a loaded one. A finished request's blocks
+stay with vLLM until its saves landed (`finished_sending`); a preempted one's saves land
+before its blocks are reused (`preempted`).
+
+L3 work runs in the background on an anyio event loop of the worker's own (a blocking portal),
+its storage calls on worker threads under one capacity limiter per kind; each finished job is
+reported once. A prefetch reads straight into the FILLING slots the scheduler took for it; an
+L3 call given up on may still write into the slots past the verified run, and they are
+reported held until it returns. The worker checks the slot rules it can see (a write into a
+slot a backup reads, a load from a slot that holds another page) and drops such pages; the
+count is `slot_violations`, zero unless the scheduler is wrong.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import threading
+import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -30,13 +36,12 @@ from hicache_async.pools import HostPool
 from hicache_async.telemetry import spans
 from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.topology import RankCoords
+from hicache_async.transfer.block_copies import BlockCopies
 from hicache_async.transfer.l3_session import l3_session
 
 from . import shutdown
-from .layer_copies import LayerCopies
 from .plan import Job, JobReports, Move, StepPlan
 from .settings import Settings
-from .slot_readers import SlotReaders
 from .stats import OBSERVED
 
 log = structlog.get_logger(__name__)
@@ -49,24 +54,32 @@ class WorkerSide:
         if not spans.tracing_enabled():     # OTLP as the OTEL_* variables say; vLLM keeps its logs
             setup_telemetry(service_name="hicache-vllm", coords=coords, logs=False)
         self.host = HostPool(layout, settings.host_pages)
-        self.copies = LayerCopies(kv, self.host)
+        self.copies = BlockCopies(kv, self.host)
         self._stack = contextlib.ExitStack()
         self.store = self._open_store(coords) if settings.storage != "none" else None
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         self._limiters = {kind: self._portal.call(anyio.CapacityLimiter, 2) for kind in ("backup", "prefetch")}
         self._lock = threading.Lock()
-        self.readers = SlotReaders()
-        self._load_errors: set[int] = set()             # vLLM blocks a load could not fill
-        self._held: Counter[int] = Counter()            # slots late reads may write: to report...
-        self._released: Counter[int] = Counter()        # ...and those whose late reads returned
-        self._finished: dict[int, int] = {}            # job -> pages, not yet reported
-        self._running: set[Future] = set()
+        self.pages: dict[int, tuple[str, bytes]] = {}    # slot -> (page, tenant) it holds or is filled with
+        self.in_l3: set[str] = set()                     # pages this worker stored or read (for the flush)
+        self._reading: Counter[int] = Counter()          # slots its unfinished backups read
+        self._landing: list[tuple[int, list, Counter]] = []   # (plan, events, saves a request) not yet landed
+        self._saving: Counter[str] = Counter()           # per request: plans whose saves have not landed
+        self._keep: set[str] = set()                     # finished requests whose blocks vLLM keeps for us
+        self._load_errors: set[int] = set()              # vLLM blocks a load could not fill
+        self._held: Counter[int] = Counter()             # slots late reads may write: to report...
+        self._released: Counter[int] = Counter()         # ...and those whose late reads returned
+        self._finished: dict[int, int] = {}              # job -> pages, not yet reported
+        self._copied: Counter[int] = Counter()           # plans whose copies landed, not yet reported
+        self._synchronous = int(not self.copies.cuda)     # said in the first report: copies land in-step
+        self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
         self._prefetching: set[Future] = set()
         self._load_span = None
-        self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0}
+        self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
+                       "slot_violations": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
         if self.store is not None:      # each L3 read and write timed, for the stats (stats.py, shutdown.py)
-            self.store.adapter = OBSERVED.timed(self.store.adapter, self.readers.busy)
+            self.store.adapter = OBSERVED.timed(self.store.adapter, self.backup_queue)
             shutdown.on_signals(settings.flush_timeout)
 
     def _open_store(self, coords: RankCoords):
@@ -84,23 +97,23 @@ class WorkerSide:
     # -- the step ------------------------------------------------------------------------
 
     def start(self, plan: StepPlan) -> None:
-        """Before the forward pass: evictions leave for L3, finished prefetches land in their
-        slots, and this step's loads start."""
-        for job in plan.evictions:
-            self._background("backup", job)
+        """Before the forward pass: this step's loads start (on a GPU; on a CPU each layer is
+        copied when its attention asks)."""
         loads = [self._loadable(move) for move in plan.loads]
         self._load_span = self._moves_span(TransferKind.LOAD, loads)
-        self.copies.load(loads)
-        self._count(host_loaded_pages=_pages(loads))
+        slots, blocks = _flat(loads)
+        self._load_event = self.copies.load(slots, blocks) if slots else None
+        self._count(host_loaded_pages=len(slots))
 
     def _loadable(self, move: Move) -> Move:
-        """The move without its stale slots, whose blocks become load errors: vLLM
-        recomputes them rather than read another page's bytes."""
-        stale = self.readers.stale
-        if not stale.intersection(move.slots):
+        """The move without slots that do not hold its pages here: their blocks become load
+        errors (vLLM recomputes them) rather than another page's bytes."""
+        ok = [self.pages.get(s, ("",))[0] == p for s, p in zip(move.slots, move.pages)]
+        if all(ok):
             return move
-        self._load_errors.update(b for s, b in zip(move.slots, move.blocks) if s in stale)
-        return move.keeping([s not in stale for s in move.slots])
+        self._violation("load from a slot that holds another page", move.slots, ok)
+        self._load_errors.update(b for b, fine in zip(move.blocks, ok) if not fine)
+        return move.keeping(ok)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -110,25 +123,72 @@ class WorkerSide:
         self.copies.wait_layer(layer)
 
     def finish(self, plan: StepPlan) -> None:
-        """After the forward pass: saves, then the L3 work they start."""
-        self.copies.wait_all()
+        """After the forward pass: saves are issued (not waited for), then the L3 work."""
+        self.copies.wait_loads()
         if self._load_span is not None:
             spans.finish_transfer(self._load_span)
             self._load_span = None
         saves = [self._writable(move) for move in plan.saves]
-        span = self._moves_span(TransferKind.WRITE, saves)
-        self.copies.save(saves)
         for move in saves:
-            self.readers.written(move.slots)
+            for slot, page in zip(move.slots, move.pages):
+                self.pages[slot] = (page, move.tenant)
+        slots, blocks = _flat(saves)
+        events = [e for e in (getattr(self, "_load_event", None), self.copies.save(slots, blocks) if slots else None)
+                  if e is not None]
+        self._load_event = None
+        chained = [job for job in plan.backups if job.after_save]
+        if plan.copies:
+            self._landing.append((plan.step, events, Counter(m.req_id for m in saves), chained, set(slots)))
+            self._saving.update(m.req_id for m in saves)
+        span = self._moves_span(TransferKind.WRITE, saves)
         if span is not None:
             spans.finish_transfer(span)
-        self._count(host_saved_pages=_pages(saves))
+        self._count(host_saved_pages=len(slots))
         for job in plan.backups:
-            self._background("backup", job)
+            if not job.after_save:
+                self._background("backup", job)
+        self._land()
         for job in plan.prefetches:
+            for slot in job.slots:
+                self.pages.pop(slot, None)
             self._prefetching.add(self._background("prefetch", job))
         if plan.idle:
             self._await_prefetch()
+
+    def preempted(self, plan: StepPlan) -> None:
+        """Before the forward pass: the saves of preempted requests land before vLLM gives
+        their blocks to another request."""
+        if any(self._saving[r] for r in plan.preempted):
+            self._drain(self.settings.storage_timeout)
+
+    def _drain(self, timeout: float) -> None:
+        """Wait, bounded, for every copy issued to land."""
+        deadline = time.monotonic() + timeout
+        self._land()
+        while self._landing and time.monotonic() < deadline:
+            time.sleep(0)
+            self._land()
+
+    def finished_sending(self, plan: StepPlan) -> set[str]:
+        """Finished requests whose saves all landed here: vLLM may free their blocks."""
+        self._keep.update(plan.keep)
+        self._land()
+        done = {r for r in self._keep if not self._saving[r]}
+        self._keep -= done
+        return done
+
+    def _land(self) -> None:
+        """Plans whose copies' events completed, in order: reported, their saves no longer
+        pending, and the backups that follow them started (none from a slot not saved here)."""
+        while self._landing and all(e.query() for e in self._landing[0][1]):
+            step, _, saves, chained, saved = self._landing.pop(0)
+            self._copied[step] += 1
+            self._saving -= saves
+            for job in chained:
+                if saved.issuperset(job.slots):
+                    self._background("backup", job)
+                else:
+                    self._ended("backup", job, 0)
 
     def _await_prefetch(self) -> None:
         """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
@@ -139,17 +199,23 @@ class WorkerSide:
             wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _writable(self, move: Move) -> Move:
-        """The move without the slots whose readers outlast the deadline (now stale)."""
-        ok = self.readers.writable(move.slots, self.settings.storage_timeout)
+        """The move without slots a backup here still reads (never, if the scheduler is right)."""
+        ok = [not self._reading[s] for s in move.slots]
         if all(ok):
             return move
-        log.warning("hicache: host slots still read by a backup past the deadline; their pages are dropped",
-                    slots=[s for s, fine in zip(move.slots, ok) if not fine])
+        self._violation("write into a slot a backup reads", move.slots, ok)
         return move.keeping(ok)
+
+    def _violation(self, what: str, slots: list[int], ok: list[bool]) -> None:
+        bad = [s for s, fine in zip(slots, ok) if not fine]
+        log.error(f"hicache: slot rule broken ({what}); those pages are dropped", slots=bad)
+        self._count(slot_violations=len(bad))
+        for s in bad:
+            self.pages.pop(s, None)
 
     def _moves_span(self, kind: TransferKind, moves: list):
         """The span of a step's loads or saves; None when there are none."""
-        return self._span(kind, _pages(moves), (m.req_id for m in moves)) if moves else None
+        return self._span(kind, _pages(moves), (m.req_id for m in moves)) if _pages(moves) else None
 
     def _span(self, kind: TransferKind, pages: int, req_ids):
         """A transfer's span, named by vLLM's request ids."""
@@ -161,6 +227,11 @@ class WorkerSide:
         with self._lock:
             for name, n in deltas.items():
                 self.counts[name] += n
+
+    def backup_queue(self) -> int:
+        """Slots this worker's backups still read: the backup queue's depth, in pages."""
+        with self._lock:
+            return len(+self._reading)
 
     def totals(self) -> dict[str, int]:
         """This worker's counts and its store's (corrupt, forged, missing objects, errors)."""
@@ -175,57 +246,74 @@ class WorkerSide:
         return totals
 
     def reports(self) -> JobReports | None:
-        """Finished jobs, and the slots that turned stale since the last report (the scheduler
-        forgets their pages, once)."""
+        """Plans whose copies landed, finished jobs, and slots late reads hold or released."""
+        self._land()
         with self._lock:
             done, self._finished = self._finished, {}
             held, self._held = self._held, Counter()
             released, self._released = self._released, Counter()
-        stale = self.readers.newly_stale()
-        if not (done or stale or held or released):
+        copied, self._copied = self._copied, Counter()
+        synchronous, self._synchronous = self._synchronous, 0
+        if not (done or copied or held or released or synchronous):
             return None
-        return JobReports({job: (1, pages) for job, pages in done.items()}, stale, held, released)
+        return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous)
 
     # -- L3 --------------------------------------------------------------------------------
 
     def _background(self, kind: str, job: Job) -> Future | None:
         if self.store is None:      # nothing to do, but the scheduler waits for every job
-            with self._lock:
-                self._finished[job.job] = 0
+            self._ended(kind, job, 0)
             return None
-        run = self._backup if kind == "backup" else self._prefetch
-        future = self._portal.start_task_soon(self._in_thread, kind, run, job)
-        self._running.add(future)
-        future.add_done_callback(self._running.discard)
         if kind == "backup":
-            self.readers.add(job.slots, future)
+            with self._lock:
+                self._reading.update(job.slots)
+        future = self._portal.start_task_soon(self._in_thread, kind, job)
+        self._running[future] = len(job.hashes) if kind == "backup" else 0
+        future.add_done_callback(lambda f: self._running.pop(f, None))
         return future
 
-    async def _in_thread(self, kind: str, run, job: Job) -> None:
+    async def _in_thread(self, kind: str, job: Job) -> None:
         span = self._span(TransferKind(kind), len(job.hashes), job.req_ids)
-        error = None
+        error, pages = None, 0
         try:
-            pages = await anyio.to_thread.run_sync(run, job, limiter=self._limiters[kind])
+            pages = await anyio.to_thread.run_sync(self._run, kind, job, limiter=self._limiters[kind],
+                                                   abandon_on_cancel=True)
         except Exception as exc:    # noqa: BLE001 - a failed job is a miss, never a crash
             log.warning("hicache L3 job failed; its pages are a miss", kind=kind, job=job.job, error=str(exc))
-            pages, error = 0, exc
+            error = exc
+        finally:
+            self._ended(kind, job, pages)
         spans.finish_transfer(span, error=error, attrs={"hicache.pages_done": pages})
+
+    def _run(self, kind: str, job: Job) -> int:
+        return self._backup(job) if kind == "backup" else self._prefetch(job)
+
+    def _ended(self, kind: str, job: Job, pages: int) -> None:
+        """The job is over (done, failed or cancelled): its slots are no longer read here, and
+        its report goes out."""
         with self._lock:
+            if kind == "backup":
+                self._reading.subtract(job.slots)
             self._finished[job.job] = pages
 
     def _backup(self, job: Job) -> int:
         result = self.store.backup(job.hashes, self.host, job.slots, tenant=job.tenant)
         stored = next((i for i, ok in enumerate(result.ok) if not ok), len(result.ok))
+        self.in_l3.update(job.hashes[:stored])
         self._count(l3_stored_pages=stored)
         return stored
 
     def _prefetch(self, job: Job) -> int:
-        """Read the job's pages into its slots, up to the first slot a backup still reads
-        past the deadline; slots a late call may still write into are reported held."""
-        ok = self.readers.writable(job.slots, self.settings.storage_timeout)
+        """Read the job's pages into its slots; slots a late call may still write into are
+        reported held."""
+        ok = [not self._reading[s] for s in job.slots]
         n = next((i for i, fine in enumerate(ok) if not fine), len(ok))
+        if n < len(ok):
+            self._violation("prefetch into a slot a backup reads", job.slots[n:], [False] * (len(ok) - n))
         result = self.store.prefetch(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
-        self.readers.written(job.slots[:result.pages])
+        for slot, page in zip(job.slots[:result.pages], job.hashes):
+            self.pages[slot] = (page, job.tenant)
+        self.in_l3.update(job.hashes[:result.pages])
         if result.late:
             held = job.slots[result.pages:n]
             remaining = [len(result.late)]
@@ -245,11 +333,31 @@ class WorkerSide:
     # -- shutdown ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush: wait, bounded, for the L3 work already issued, so a request's KV is in L3
-        when the engine exits; then close the store. Once: later calls do nothing."""
+        """Flush, within `flush_timeout`: the L3 work already issued and, under write_back, the
+        host tier's pages not yet in L3; then cancel what is left and close the store, with
+        one line counting what was not written. Once: later calls do nothing."""
         atexit.unregister(self.close)
+        if self.store is not None and self.settings.write_policy == "write_back":
+            self._write_back_all()
         shutdown.flush(self._running, self.settings.flush_timeout)
+        if self._running:       # cancelled, their threads abandoned: the process exits now
+            self._portal.call(self._portal.stop, True)
         self._stack.close()
+
+    def _write_back_all(self) -> None:
+        """The host tier's pages L3 lacks, one backup a tenant, before the flush waits."""
+        self._drain(self.settings.flush_timeout)
+        by_tenant: dict[bytes, list[tuple[str, int]]] = {}
+        for slot, (page, tenant) in self.pages.items():
+            if page not in self.in_l3 and not self._reading[slot]:
+                by_tenant.setdefault(tenant, []).append((page, slot))
+        for n, (tenant, pages) in enumerate(by_tenant.items()):
+            self._background("backup", Job(-1 - n, [h for h, _ in pages], tenant, [s for _, s in pages]))
+
+
+def _flat(moves: list[Move]) -> tuple[list[int], list[int]]:
+    """Every move's host slots and vLLM blocks, in order."""
+    return [s for m in moves for s in m.slots], [b for m in moves for b in m.blocks]
 
 
 def _pages(moves: list) -> int:

@@ -2,10 +2,15 @@
 Request, LoRARequest and multimodal features (the real engine's runs are in test_request_keys)."""
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import structlog
 import torch
+from hicache_vllm import request_keys
 from hicache_vllm.request_keys import RequestKeys
 
 from hicache_async.fingerprint import SAMPLE, SAMPLES, adapter_fingerprint, checkpoint_fingerprint
@@ -27,8 +32,27 @@ class Req:
 
 def hashes(req: Req, keys: RequestKeys | None = None) -> list[str]:
     out: list[str] = []
-    assert (keys or RequestKeys(PAGE)).extend(req, out)
+    assert settled(keys or RequestKeys(PAGE), req, out)
     return out
+
+
+def settled(keys: RequestKeys, req: Req, out: list[str]) -> bool:
+    """`extend`'s answer once the adapter's digest has run (None till then: ask again)."""
+    deadline = time.monotonic() + 10
+    while (answer := keys.extend(req, out)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return answer
+
+
+def write_adapter(folder, weights: bytes = b"A" * 100):
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def lora(folder, lora_id: int = 1, inplace: bool = False):
+    return SimpleNamespace(lora_name="x", lora_int_id=lora_id, lora_path=str(folder), load_inplace=inplace)
 
 
 def image(identifier: str, offset: int, length: int = 3):
@@ -62,22 +86,77 @@ def test_prompt_embeddings_key_each_page_by_its_slice():
 
 
 def test_an_adapter_is_named_by_its_bytes_once_per_id(tmp_path):
-    folder = tmp_path / "lora"
-    folder.mkdir()
-    (folder / "adapter_model.safetensors").write_bytes(b"A" * 100)
-    lora = SimpleNamespace(lora_name="x", lora_int_id=1, lora_path=str(folder), load_inplace=False)
+    folder = write_adapter(tmp_path / "lora")
     keys = RequestKeys(PAGE)
-    first = hashes(Req(list(range(8)), lora_request=lora), keys)
+    first = hashes(Req(list(range(8)), lora_request=lora(folder)), keys)
     assert first != hashes(Req(list(range(8))))
     (folder / "adapter_model.safetensors").write_bytes(b"B" * 100)   # saved over, same name and size
-    assert hashes(Req(list(range(8)), lora_request=lora), keys) == first   # vLLM keeps id 1's weights
-    reloaded = SimpleNamespace(**{**vars(lora), "load_inplace": True})
-    assert hashes(Req(list(range(8)), lora_request=reloaded), keys) != first
+    assert hashes(Req(list(range(8)), lora_request=lora(folder)), keys) == first   # vLLM keeps id 1's weights
+    assert hashes(Req(list(range(8)), lora_request=lora(folder, inplace=True)), keys) != first
+
+
+def test_an_adapter_is_named_by_the_files_vllm_loads_only(tmp_path):
+    """vLLM reads adapter_config.json and the first of adapter_model.safetensors/.bin/.pt: an
+    optimizer state, a .git folder, another weights format or a dangling link beside them
+    names nothing; a byte of what it loads does."""
+    folder = write_adapter(tmp_path / "lora")
+    key = hashes(Req(list(range(8)), lora_request=lora(folder)))
+    (folder / "optimizer.pt").write_bytes(os.urandom(1 << 20))
+    (folder / ".git").mkdir()
+    (folder / ".git" / "index").write_bytes(b"x")
+    (folder / "adapter_model.bin").write_bytes(b"other format")
+    (folder / "gone").symlink_to(tmp_path / "nowhere")
+    assert hashes(Req(list(range(8)), lora_request=lora(folder))) == key
+    (folder / "adapter_config.json").write_text('{"r": 16}')
+    assert hashes(Req(list(range(8)), lora_request=lora(folder))) != key
+
+
+def test_an_adapter_digest_runs_off_the_scheduler_thread_once(tmp_path, monkeypatch):
+    """The first requests of an adapter are asked to come back (None) until its one digest,
+    on a thread of its own, is done; then they are keyed."""
+    release, calls = threading.Event(), []
+
+    def slow(path, names):
+        calls.append(threading.current_thread())
+        release.wait(10)
+        return "d1"
+
+    monkeypatch.setattr(request_keys, "adapter_fingerprint", slow)
+    folder, keys = write_adapter(tmp_path / "lora"), RequestKeys(PAGE)
+    a, b = Req(list(range(8)), "a", lora_request=lora(folder)), Req(list(range(8)), "b", lora_request=lora(folder))
+    out_a, out_b = [], []
+    assert keys.extend(a, out_a) is None and keys.extend(b, out_b) is None and out_a == out_b == []
+    release.set()
+    assert settled(keys, a, out_a) and settled(keys, b, out_b)
+    assert out_a == out_b == page_hashes(range(8), PAGE, adapter="d1")
+    assert len(calls) == 1 and calls[0] is not threading.current_thread()
+
+
+def test_a_keying_error_leaves_the_request_unkeyed_without_raising(tmp_path, monkeypatch):
+    """A file gone between listing and reading (OSError) or anything else raised while keying:
+    False (no hit, no save), one warning naming the request; the next request tries again."""
+    calls = []
+
+    def vanished(path, names):
+        calls.append(path)
+        raise FileNotFoundError(f"{path}/adapter_model.safetensors")
+
+    monkeypatch.setattr(request_keys, "adapter_fingerprint", vanished)
+    folder, keys = write_adapter(tmp_path / "lora"), RequestKeys(PAGE)
+    out: list[str] = []
+    with structlog.testing.capture_logs() as logged:
+        assert settled(keys, Req(list(range(8)), "a", lora_request=lora(folder)), out) is False
+        assert settled(keys, Req(list(range(8)), "b", lora_request=lora(folder)), []) is False
+        assert keys.extend(Req([2**40] * 8, "c"), []) is False      # a token id no key can hold
+    assert out == [] and len(calls) == 2
+    warned = [e for e in logged if e["event"] == "hicache: request not cached"]
+    assert [e["request"] for e in warned] == ["a", "b", "c"]
+    assert "FileNotFoundError" in warned[0]["reason"] and "adapter_model.safetensors" in warned[0]["reason"]
 
 
 def test_an_adapter_that_cannot_be_read_leaves_the_request_unkeyed(tmp_path):
-    lora = SimpleNamespace(lora_name="x", lora_int_id=2, lora_path=str(tmp_path / "gone"), load_inplace=False)
-    assert not RequestKeys(PAGE).extend(Req(list(range(8)), lora_request=lora), [])
+    gone = lora(tmp_path / "gone", lora_id=2)
+    assert settled(RequestKeys(PAGE), Req(list(range(8)), lora_request=gone), []) is False
 
 
 def test_a_checkpoint_fingerprint_follows_its_bytes_and_settings_not_its_path(tmp_path):

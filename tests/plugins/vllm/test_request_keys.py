@@ -1,8 +1,10 @@
 """In real vLLM, KV never crosses what decides it: LoRA adapters (host tier and L3 across
-processes), prompt embeddings, and new weights saved over the model folder. Each output is
+processes), prompt embeddings, new weights saved over the model folder, and dummy weights
+loaded over the real one. Each output is
 compared with the same request run without the connector."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -22,8 +24,18 @@ def embeds(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def adapters(llama, tmp_path_factory) -> dict[str, list]:
+    """Two adapters in folders as a training run leaves them: beside what vLLM loads, a 64 MiB
+    optimizer state, a `.git` folder and a dangling link (none of which names the adapter)."""
     root = tmp_path_factory.mktemp("adapters")
-    return {name: [name, i + 1, str(write_lora(root / name, llama, seed=i + 1))] for i, name in enumerate("ab")}
+    out = {}
+    for i, name in enumerate("ab"):
+        folder = write_lora(root / name, llama, seed=i + 1)
+        (folder / "optimizer.pt").write_bytes(os.urandom(64 << 20))
+        (folder / ".git").mkdir()
+        (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")
+        (folder / "checkpoint-100").symlink_to(root / "deleted-checkpoint")
+        out[name] = [name, i + 1, str(folder)]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +96,16 @@ def test_new_weights_in_the_same_folder_miss_l3(prompts, tmp_path):
     assert old["params"]["hicache"]["model"] != new["params"]["hicache"]["model"]
     assert new["cached"] == 0 and same_output(new, reference)
     assert old["tokens"] != new["tokens"]
+
+
+def test_dummy_weights_over_the_real_folder_never_serve_the_real_model(llama, prompts, cold, tmp_path):
+    """`--load-format dummy` over the real checkpoint folder computes other KV into the same
+    store: the real weights then get none of it, and vLLM's own tokens."""
+    store = tmp_path / "store"
+    extra = {"storage": "file", "storage_path": str(store)}
+    (dummy,) = run_engine(llama, [gen(prompts["p"])], extra, load_format="dummy")
+    assert len([f for f in store.rglob("*") if f.is_file()]) >= HIT // BLOCK      # its pages are in L3
+    assert dummy["tokens"] != cold["p"]["tokens"]                                 # and would show if served
+    (real,) = run_engine(llama, [gen(prompts["p"])], extra)
+    assert dummy["params"]["hicache"]["model"] != real["params"]["hicache"]["model"]
+    assert real["cached"] == 0 and tiers(real) == (0, 0) and same_output(real, cold["p"])

@@ -1,0 +1,177 @@
+"""GPU copy figures: a step's scattered KV blocks to and from the pinned host pool, through
+BlockCopies (the vLLM connector's copy engine) and through the core Copier, beside a pinned
+contiguous copy of the same bytes measured in the same run.
+
+The shape is Llama-3-8B's: 32 layers, 8 KV heads, head 128, 16-token blocks, bf16, K and V
+(64 KiB a block and layer, 2 MiB a block). Every figure is the best of a few repetitions, and
+every byte moved is checked once they are done. Besides throughput: the CPU time to issue one
+step's loads, beside issuing them as one `copy_` per block and layer (what the connector did
+before), and the time `save()` takes to return (a thread of its own queues the copies),
+beside the time until they are done.
+CUDA only; torch and this package alone, so it runs on a bare GPU machine.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from ...errors import HiCacheError
+from ...events import CompletionEvent
+from ...layout import KVLayout
+from ...pools import DevicePool, HostPool
+from ...transfer.block_copies import BlockCopies
+from ...transfer.copier import Copier
+from .figure import figure
+
+LAYERS, HEADS, TOKENS, HEAD_DIM, DTYPE = 32, 8, 16, 128, torch.bfloat16
+COUNTS = (64, 512)
+POOL = 2 * max(COUNTS)      # blocks and host pages to scatter a step's among
+
+
+def gpu_copy_figures(quick: bool) -> list[dict]:
+    if not torch.cuda.is_available():
+        print("gpu-copies: no CUDA device here; nothing measured")
+        return []
+    reps = 3 if quick else 10
+    block_side, copier_side = _BlockSide(), _CopierSide()
+    try:
+        return [f for count in COUNTS for f in _figures(block_side, copier_side, count, reps)]
+    finally:
+        block_side.close()
+        copier_side.close()
+
+
+def _figures(blocks: _BlockSide, copier: _CopierSide, count: int, reps: int) -> list[dict]:
+    rng = random.Random(count)
+    slots, picked = rng.sample(range(POOL), count), rng.sample(range(POOL), 2 * count)
+    moved, targets = picked[:count], picked[count:]         # a load lands in blocks other than the saved ones
+    nbytes = count * LAYERS * blocks.layer_block_bytes
+    d2h, h2d = _pinned_contiguous(nbytes, reps)
+    save_done, save_return = _best(reps, lambda: blocks.save(slots, moved))
+    load_done, load_issue = _best(reps, lambda: blocks.load(slots, targets))
+    blocks.check(slots, moved, targets)
+    write_done, _ = _best(reps, lambda: copier.write(moved, slots))
+    copier_load_done, _ = _best(reps, lambda: copier.load(slots, targets))
+    copier.check(slots, moved, targets)
+    per_block = min(blocks.per_block_issue(slots, targets) for _ in range(min(reps, 3)))
+    gb = nbytes / 1e9
+    return [
+        figure(f"gpu_block_save_gbps_{count}", gb / save_done, "GB/s", "pinned_d2h_gbps", gb / d2h),
+        figure(f"gpu_block_load_gbps_{count}", gb / load_done, "GB/s", "pinned_h2d_gbps", gb / h2d),
+        figure(f"gpu_copier_write_gbps_{count}", gb / write_done, "GB/s", "pinned_d2h_gbps", gb / d2h),
+        figure(f"gpu_copier_load_gbps_{count}", gb / copier_load_done, "GB/s", "pinned_h2d_gbps", gb / h2d),
+        figure(f"gpu_block_load_issue_ms_{count}", 1e3 * load_issue, "ms",
+               "per_block_copy_issue_ms", 1e3 * per_block),
+        figure(f"gpu_block_save_return_ms_{count}", 1e3 * save_return, "ms", "save_done_ms", 1e3 * save_done),
+    ]
+
+
+def _best(reps: int, issue: Callable[[], CompletionEvent | None]) -> tuple[float, float]:
+    """The best of `reps` runs, each starting on an idle device: (seconds until the copies are
+    done, seconds until `issue` returned). An event `issue` returns is waited on before the
+    device: a save's copies are queued by a thread of its own."""
+    runs = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        done = issue()
+        issued = time.perf_counter() - start
+        while done is not None and not done.query():
+            time.sleep(0)       # lets the issuing thread run
+        if done is not None and done.error is not None:
+            raise HiCacheError(f"gpu-copies: {done.error}")
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - start, issued))
+    return min(done for done, _ in runs), min(issued for _, issued in runs)
+
+
+def _pinned_contiguous(nbytes: int, reps: int) -> tuple[float, float]:
+    """Seconds for one device -> host and one host -> device copy of `nbytes` contiguous bytes."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+    d2h, _ = _best(reps, lambda: copy(host, device))
+    h2d, _ = _best(reps, lambda: copy(device, host))
+    return d2h, h2d
+
+
+class _BlockSide:
+    """vLLM-shaped blocks (per layer [blocks, heads, tokens, K|V]) and a host pool of the same pages."""
+
+    def __init__(self) -> None:
+        layout = KVLayout(num_layers=LAYERS, kv_heads=HEADS, head_dim=2 * HEAD_DIM, page_size=TOKENS, dtype=DTYPE,
+                          axes=("head", "token", "dim"))
+        self.layer_block_bytes = layout.layer_page_bytes
+        self.kv = list(torch.randn((LAYERS, POOL, HEADS, TOKENS, 2 * HEAD_DIM), dtype=DTYPE, device="cuda").unbind(0))
+        self.host = HostPool(layout, POOL)
+        self.host.tensor.copy_(torch.randn(self.host.tensor.shape, dtype=DTYPE, device="cuda"))   # unlike every block
+        self.copies = BlockCopies(self.kv, self.host)
+
+    def save(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
+        return self.copies.save(slots, blocks)
+
+    def load(self, slots: list[int], blocks: list[int]) -> None:
+        self.copies.load(slots, blocks)
+        self.copies.wait_loads()
+
+    def check(self, slots: list[int], moved: list[int], targets: list[int]) -> None:
+        """The saved blocks are in their slots and the loaded slots in their blocks, every layer."""
+        pages = self.host.tensor[slots].to("cuda")
+        for layer, kv in enumerate(self.kv):
+            for blocks, name in ((moved, "save"), (targets, "load")):
+                if not torch.equal(_bits(pages[:, layer]), _bits(kv[blocks])):
+                    raise HiCacheError(f"gpu-copies: BlockCopies {name} of {len(slots)} blocks moved wrong bytes "
+                                       f"in layer {layer}")
+
+    def per_block_issue(self, slots: list[int], blocks: list[int]) -> float:
+        """Seconds to issue the loads as one `copy_` per block and layer, on a copy stream."""
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for layer, kv in enumerate(self.kv):
+                for slot, block in zip(slots, blocks):
+                    kv[block].copy_(self.host.tensor[slot, layer], non_blocking=True)
+        issued = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return issued
+
+    def close(self) -> None:
+        self.host.close()
+
+
+class _CopierSide:
+    """The core's layer-major device pool and a host pool, moved by the Copier."""
+
+    def __init__(self) -> None:
+        layout = KVLayout(num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, page_size=TOKENS, dtype=DTYPE)
+        self.device = DevicePool(layout, POOL, device="cuda")
+        self.device.tensor.normal_()
+        self.host = HostPool(layout, POOL)
+        self.host.tensor.copy_(torch.randn(self.host.tensor.shape, dtype=DTYPE, device="cuda"))
+        self.copier = Copier(self.device, self.host)
+
+    def write(self, device_pages: list[int], host_pages: list[int]) -> None:
+        self.copier.write(device_pages, host_pages)
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        self.copier.load(host_pages, device_pages)
+
+    def check(self, slots: list[int], moved: list[int], targets: list[int]) -> None:
+        pages = self.host.tensor[slots].to("cuda").transpose(0, 1)      # layer-major, as the device pool
+        for pages_of, name in ((moved, "write"), (targets, "load")):
+            if not torch.equal(_bits(pages), _bits(self.device.tensor[:, pages_of])):
+                raise HiCacheError(f"gpu-copies: Copier {name} of {len(slots)} pages moved wrong bytes")
+
+    def close(self) -> None:
+        self.copier.close()
+        self.host.close()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)      # bf16 compared bit for bit
