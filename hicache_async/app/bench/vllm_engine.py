@@ -10,8 +10,9 @@ config, `lora_rank` (LoRA on, adapters up to that rank),
 `prompt_embeds` (prompt embeddings on), named `prompts`, and `steps`: `generate` (a prompt or
 a prompt's name, optional `salt`, `max_tokens`, `logprobs`, `prompt_logprobs`, `lora`
 [name, id, path], or `embeds_seed` for seeded random prompt embeddings of `embeds_len`
-tokens in place of a prompt), `reset` (vLLM's prefix cache) or `kill` (SIGKILL a pid: a
-storage server dying mid-run).
+tokens in place of a prompt), `generate_many` (`prompts`, a list of prompts or names, submitted
+together so they share engine steps; a result each, `seconds` the batch's), `reset` (vLLM's
+prefix cache) or `kill` (SIGKILL a pid: a storage server dying mid-run).
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ def main() -> None:
 
     connector, transfer = spec.get("connector", "HiCacheConnector"), None
     if connector and spec.get("extra") is not None:
-        transfer = {"kv_connector": connector, "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        transfer = {"kv_connector": connector, "kv_role": "kv_both",
                     "kv_connector_extra_config": spec["extra"]}
         if connector == "HiCacheConnector" and not spec.get("by_name"):
             transfer["kv_connector_module_path"] = "hicache_vllm"
@@ -166,18 +167,21 @@ def main() -> None:
         if step["op"] == "kill":
             os.kill(step["pid"], signal.SIGKILL)
             continue
-        prompt = _prompt(llm, step, prompts)
-        if step.get("salt"):
-            prompt["cache_salt"] = step["salt"]
+        batch = ([_prompt(llm, {**step, "prompt": p}, prompts) for p in step["prompts"]]
+                 if step["op"] == "generate_many" else [_prompt(llm, step, prompts)])
+        for prompt in batch:
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
         sampling = SamplingParams(max_tokens=step.get("max_tokens", 1), temperature=0, logprobs=step.get("logprobs"),
                                   prompt_logprobs=step.get("prompt_logprobs"))
         lora = LoRARequest(*step["lora"]) if step.get("lora") else None
         started = time.perf_counter()
-        out = llm.generate([prompt], sampling, use_tqdm=False, lora_request=lora)[0]
+        outs = llm.generate(batch, sampling, use_tqdm=False, lora_request=lora)
         seconds = time.perf_counter() - started
-        logprobs = [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs or []]
-        results.append({"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
-                        "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
+        for out in outs:
+            logprobs = [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs or []]
+            results.append({"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
+                            "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
     print(MARK + json.dumps(results), flush=True)
 
 

@@ -78,9 +78,18 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.worker.load_errors() if self.worker is not None else set()
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """Head-major blocks (LBHNC): a block of a layer is then one run a head, so a step's copies
+        are one gather or scatter a layer (`BlockCopies`); a token-major layout (NHD) would be a
+        run a token and head, refused at start-up. MLA's one latent is one run in any layout."""
+        model = vllm_config.model_config
+        return None if model is None or model.use_mla else "LBHNC"
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Loads run layer by layer beside attention (`wait_for_layer_load`); a full CUDA graph
-        would replay attention without them."""
+        would replay attention without them, so vLLM captures piecewise graphs (said once at
+        start-up by the worker)."""
         return True
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:

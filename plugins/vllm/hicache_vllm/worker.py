@@ -78,6 +78,9 @@ class WorkerSide:
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
                        "slot_violations": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
+        if self.copies.cuda:
+            log.info("hicache: vLLM captures piecewise CUDA graphs: layer-by-layer loads wait beside attention, "
+                     "which a full graph would replay without them")
         if self.store is not None:      # each L3 read and write timed, for the stats (stats.py, shutdown.py)
             self.store.adapter = OBSERVED.timed(self.store.adapter, self.backup_queue)
             shutdown.on_signals(settings.flush_timeout)
@@ -148,10 +151,13 @@ class WorkerSide:
             if not job.after_save:
                 self._background("backup", job)
         self._land()
+        self._prefetching = {f for f in self._prefetching if not f.done()}
         for job in plan.prefetches:
             for slot in job.slots:
                 self.pages.pop(slot, None)
-            self._prefetching.add(self._background("prefetch", job))
+            future = self._background("prefetch", job)
+            if future is not None:
+                self._prefetching.add(future)
         if plan.idle:
             self._await_prefetch()
 
@@ -194,7 +200,6 @@ class WorkerSide:
         """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
         prefetch to finish, so its report goes out this step, instead of spinning through empty
         steps that hold the GIL while the reading thread needs it."""
-        self._prefetching = {f for f in self._prefetching if f is not None and not f.done()}
         if self._prefetching:
             wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
