@@ -137,6 +137,12 @@ class StorageAdapter(ABC):
         objects, which stay misses.
         """
 
+    def evicted(self) -> list[str]:
+        """Keys this adapter removed to make room since the last call (drained), so a caller
+        that announced them stored can withdraw them. A store that evicts out of sight (a
+        server's policy) returns none."""
+        return []
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and memory; later calls are errors."""

@@ -10,8 +10,11 @@ content-addressed, so an object already stored is not written again. The store i
 by default: directories it creates are 0700 and objects 0600. Eviction goes by mtime, the
 time an object was written: a read changes nothing on disk, so reads cost no metadata write
 and leave no trace of which prefixes were served, and the least recently written objects go
-first, across every process sharing the directory. Each object is one `writev` or `readv`
-of all its parts, straight from and into the caller's buffers.
+first, across every process sharing the directory. The keys this store evicts are kept for
+`evicted`, so its caller can withdraw what it announced; not those whose file name is a digest
+of a long key (it cannot be named back), and each process reports only its own evictions.
+Each object is one `writev` or `readv` of all its parts, straight from and into the caller's
+buffers.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import re
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import unquote
 
 from ..errors import StorageError
 from . import file_session
@@ -34,6 +39,7 @@ _ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _MAX_NAME = 200
 _LOW_WATERMARK = 0.9   # eviction frees down to this fraction of capacity
 _STALE_TEMP_S = 3600
+EVICTED_KEPT = 1 << 16  # evicted keys kept for `evicted`, the latest: a caller that never asks keeps no more
 DEFAULT_CAPACITY = 8 << 30
 
 
@@ -73,6 +79,7 @@ class FileStorage(StorageAdapter):
         self._root = str(self.root)
         self._lock = threading.Lock()
         self._dirs: set[str] = set()  # fan-out directories known to exist
+        self._evicted: deque[str] = deque(maxlen=EVICTED_KEPT)
         # temp file names: this process, this adapter, a serial: unique among the directory's writers
         self._temp_prefix, self._temp_names = f".{os.getpid()}-{uuid.uuid4().hex[:8]}-", itertools.count()
         self._used = self._scan(remove_stale=True)[1]
@@ -108,7 +115,16 @@ class FileStorage(StorageAdapter):
                 break
             _unlink(p)
             used -= size
+            key = _key_of(os.path.basename(p))
+            if key is not None:
+                self._evicted.append(key)
         self._used = used
+
+    def evicted(self) -> list[str]:
+        with self._lock:
+            out = list(self._evicted)
+            self._evicted.clear()
+        return out
 
     def batch_exists(self, keys: list[str]) -> int:
         n = 0
@@ -220,6 +236,11 @@ class FileStorage(StorageAdapter):
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own files."""
+
+
+def _key_of(name: str) -> str | None:
+    """The key `object_name` named `name`; None for a digest of a long key."""
+    return None if name.startswith("~") else unquote(name)
 
 
 def _write_at(fd: int, parts: list[memoryview], offset: int) -> None:

@@ -46,6 +46,9 @@ class WrappingStorage(StorageAdapter):
                         landed: Callable[[int, list[int]], None] | None = None) -> list[int]:
         return self._through("batch_get", keys, lambda: self.inner.batch_get_parts(keys, parts, landed))
 
+    def evicted(self) -> list[str]:
+        return self.inner.evicted()
+
     def register_memory(self, view: memoryview) -> None:
         self.inner.register_memory(view)
 

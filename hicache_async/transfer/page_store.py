@@ -266,6 +266,15 @@ class PageStore:
         self.counters.add(bytes_written=result.bytes, storage_errors=result.errors, healed_objects=result.healed)
         return result
 
+    def evicted_pages(self) -> set[str]:
+        """Pages of this store's namespace, any rank's, that lost an object to the adapter's
+        eviction since the last call: none of them can be read whole any more. Both key schemes
+        name an object `{page hash}_{namespace digest}...`, so the first two fields of a key say
+        whose page it is."""
+        ours = self.keys.objects("")[0].key.split("_")[1]
+        named = (key.split("_", 2) for key in self.adapter.evicted())
+        return {fields[0] for fields in named if len(fields) > 1 and fields[1] == ours}
+
     # -- L3 -> L2 ------------------------------------------------------------------------
 
     def stored_run(self, page_hashes: list[str]) -> int:

@@ -1,12 +1,13 @@
 """`bench --only vllm-serve`, reduced: real vLLM OpenAI servers (CPU build) driven by vLLM's own
 `bench serve` client, few requests, three of the five runs."""
 import os
+import statistics
 
 import pytest
 
 from hicache_async.app.bench.vllm_engine import pinned_threads, write_llama, write_tokenizer
-from hicache_async.app.bench.vllm_serve_figures import (ENV, LLAMA, STATS, ServeFailed, Server, _first_uses,
-                                                        vllm_serve_figures)
+from hicache_async.app.bench.vllm_serve_figures import (ENV, LLAMA, STATS, ServeFailed, Server, _figures,
+                                                        _first_uses, vllm_serve_figures)
 
 pytest.importorskip("hicache_vllm")
 
@@ -32,16 +33,39 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
     assert hits["host"] >= 3 * 46 * 32 and hits["small_host_file"] > 0, hits
     host = figures["vllm_serve_host_median_ttft_s"]
     assert host["value"] < host["baseline_value"], host
-    goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]
-    assert goal["goal_max_ratio"] == 1.3 and goal["goal_met"] == (goal["ratio"] <= 1.3)
+    goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]       # the two measured medians, as rows show them
+    assert (goal["value"], goal["baseline_value"]) == (figures["vllm_serve_small_host_file_median_ttft_s"]["value"],
+                                                       host["value"]), goal
+    assert goal["ratio"] == pytest.approx(goal["value"] / goal["baseline_value"], abs=0.01) and goal["goal_max_ratio"] == 1.3
     # 5 first uses a side: the ready check already sent the first prompt's prefix. Each runs the
     # whole prefill, so each is slower than the host tier's median request, a hit: a prompt
     # taken for a first use that was not one would be a hit there.
     for run in RUNS[1:]:
         miss = figures[f"vllm_serve_{run}_first_use_ttft_s"]
         assert len(miss["first_uses"]) == len(miss["baseline_first_uses"]) == 5, miss
-        assert miss["goal_max_ratio"] == 1.05 and miss["goal_met"] == (miss["ratio"] <= 1.05)
+        assert miss["value"] == pytest.approx(statistics.median(miss["first_uses"]), abs=0.002), miss
+        assert miss["baseline_value"] == pytest.approx(statistics.median(miss["baseline_first_uses"]), abs=0.002)
     assert min(figures["vllm_serve_host_first_use_ttft_s"]["first_uses"]) > host["value"]
+
+
+def _measured(median: float, first_uses: list[float]) -> dict:
+    return {"mean_ttft": 9.0, "median_ttft": median, "p99_ttft": 9.0, "duration": 30.0, "first_uses": first_uses,
+            "connector_hits": 100, "prefix_cache_hits": 50}
+
+
+@pytest.mark.parametrize("file_median,met", [(0.65, True), (0.66, False)])
+def test_the_goals_are_the_file_l3_median_over_the_host_median_and_the_first_uses_median(file_median, met):
+    """1.3 times the host tier's 0.5 s median is 0.65 s: met at it, missed just past it; the
+    first uses' goal compares medians, so two slow outliers of five do not miss it."""
+    results = {"vllm": _measured(1.0, [2.0, 2.0, 2.0, 2.0, 2.0]), "host": _measured(0.5, [2.0, 2.1, 2.0, 2.0, 2.0]),
+               "small_host_file": _measured(file_median, [2.1, 2.0, 2.0, 9.0, 9.0])}
+    figures = {f["name"]: f for f in _figures(results)}
+    goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]
+    assert (goal["value"], goal["baseline_value"], goal["goal_met"]) == (file_median, 0.5, met)
+    assert goal["ratio"] == round(file_median / 0.5, 3) and goal["goal_max_ratio"] == 1.3
+    first = figures["vllm_serve_small_host_file_first_use_ttft_s"]
+    assert (first["value"], first["baseline_value"], first["ratio"], first["goal_met"]) == (2.1, 2.0, 1.05, True)
+    assert figures["vllm_serve_host_first_use_ttft_s"]["value"] == 2.0
 
 
 def test_each_prefix_first_use_is_timed_once_and_the_ready_checked_prefix_never():

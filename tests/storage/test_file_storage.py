@@ -147,6 +147,20 @@ def test_capacity_evicts_the_least_recently_written_and_a_read_changes_nothing(t
     assert fs.batch_set(["huge"], [bytes(20_000)]) == [False]
 
 
+def test_the_keys_an_eviction_removed_are_told_once_by_their_own_names(tmp_path):
+    fs = FileStorage(str(tmp_path), capacity_bytes=3500)
+    long = "x/" * 150                                  # its file is named by a digest: not named back
+    keys = ["page/0 é", long, "k%2", "plain", "next", "last"]
+    for age, key in enumerate(keys):
+        fs.batch_set([key], [bytes(1000)])
+        if age < 3:
+            path = os.path.join(tmp_path, object_name(key)[:2], object_name(key))
+            os.utime(path, (10 + age, 10 + age))       # the first three are the oldest writes, in order
+    assert fs.evicted() == ["page/0 é", "k%2"]        # each of the last three writes evicts the oldest
+    assert fs.batch_exists(["plain", "next", "last"]) == 3 and fs.batch_exists([long]) == 0
+    assert fs.evicted() == []
+
+
 def test_a_write_under_way_shows_only_a_dot_temp_file_beside_the_object(tmp_path, monkeypatch):
     fs = FileStorage(str(tmp_path))
     real_pwritev, halfway, go_on = os.pwritev, threading.Event(), threading.Event()

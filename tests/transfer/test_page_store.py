@@ -168,3 +168,28 @@ def test_concurrent_backups_and_prefetches(tmp_path):
     store = PageStore(FileStorage(str(tmp_path)), layout, make_key_scheme("unified", layout, RankCoords()))
     assert_concurrent_round_trips(store, host, [page_hashes(range(1000 * b, 1000 * b + 16), 4) for b in range(8)], 4)
     assert store.counters.bytes_read == store.counters.bytes_written
+
+
+@pytest.mark.parametrize("scheme", ["rank-suffix", "unified"])
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_evicted_pages_are_this_namespaces_of_any_rank_and_no_other(tmp_path, scheme, attention):
+    """TP2 stores pages 0-2; a model of other head size stores pages 3-4 beside them. Then every
+    object is evicted: a store names pages 0-2, whichever rank's objects went, and not 3-4."""
+    fs = FileStorage(str(tmp_path), capacity_bytes=1 << 30)
+    kv = global_kv(attention)
+    stores = []
+    for c in grid(2, 1, 1):
+        layout = rank_layout(c, attention)
+        host = HostPool(layout, PAGES)
+        host.tensor[:] = rank_view(kv, layout)
+        store = PageStore(fs, layout, make_key_scheme(scheme, layout, c), c)
+        assert all(store.backup(HASHES[:3], host, [0, 1, 2]).ok)
+        stores.append(store)
+    other = rank_layout(RankCoords(), attention, head_dim=8)
+    host = HostPool(other, PAGES)
+    assert all(PageStore(fs, other, make_key_scheme(scheme, other)).backup(HASHES[3:], host, [3, 4]).ok)
+    fs.capacity_bytes = 1
+    assert fs.batch_set(["last"], [b"x"]) == [True]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]     # "last" too: no page of anyone's
+    assert stores[1].evicted_pages() == set(HASHES[:3])
+    assert stores[0].evicted_pages() == set()          # told once

@@ -71,13 +71,16 @@ class JobReports(KVConnectorWorkerMetadata):
     """Per finished job: (workers that reported it, fewest pages verified or stored); per plan
     whose copies (loads and saves) landed: workers that reported it; and, per host slot, how
     many workers' abandoned reads may still write into it (`held`), or have since returned
-    (`released`): the slot is free for reuse only when every hold is released."""
+    (`released`): the slot is free for reuse only when every hold is released; and pages
+    whose objects a worker's store evicted (`evicted`): one worker's is enough, the page can
+    no longer be read whole."""
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
     copied: Counter = field(default_factory=Counter)
     held: Counter = field(default_factory=Counter)
     released: Counter = field(default_factory=Counter)
     synchronous: int = 0        # workers whose copies land before their step ends (CPU), said once
+    evicted: set[str] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
         merged = dict(self.done)
@@ -85,4 +88,4 @@ class JobReports(KVConnectorWorkerMetadata):
             seen, least = merged.get(job, (0, pages))
             merged[job] = (seen + reports, min(least, pages))
         return JobReports(merged, self.copied + other.copied, self.held + other.held, self.released + other.released,
-                          self.synchronous + other.synchronous)
+                          self.synchronous + other.synchronous, self.evicted | other.evicted)

@@ -53,6 +53,14 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
         self.seconds = self._histogram_cls(
             name="vllm:hicache_l3_call_seconds", labelnames=[*names, "op"], buckets=SECONDS_BUCKETS,
             documentation="Seconds per L3 call (a batch of objects), by op: read or write.")
+        for engine in per_engine_labelvalues.values():     # every series from the start: zero, never absent
+            for metric, labels in ((self.tokens, ("host", "l3")), (self.pages, PAGES.values()),
+                                   (self.rejected, REJECTED.values()), (self.bytes, BYTES.values()),
+                                   (self.seconds, LATENCY.values())):
+                for label in labels:
+                    metric.labels(*engine, label)
+            for metric in (self.healed, self.failed, self.queue):
+                metric.labels(*engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one step's stats; keys this version does not know are skipped, never an error

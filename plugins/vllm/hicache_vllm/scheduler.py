@@ -187,7 +187,9 @@ class SchedulerSide:
                                     "model": self.model_id}}
 
     def reported(self, reports: JobReports | None) -> None:
-        """Fold the workers' reports in; a plan or job every worker reported is done."""
+        """Fold the workers' reports in; a plan or job every worker reported is done. Pages a
+        worker's store evicted are withdrawn from L3 after the finished jobs announce theirs, so
+        a page stored and then evicted within one report is not left announced."""
         if reports is None:
             return
         for slot, n in reports.held.items():
@@ -201,6 +203,9 @@ class SchedulerSide:
             self._copied(step)
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
+        for page in reports.evicted:
+            self.stored_l3.pop(page, None)
+        self.events.removed(sorted(reports.evicted), "STORAGE")
 
     def close(self) -> None:
         """At shutdown: one line for the backups decided but never delivered to a worker."""

@@ -5,8 +5,10 @@ the scheduler, logs, and hands to our Prometheus metrics (`prom.py`):
   objects, failed calls); summed;
 - samples (`SAMPLES`, lists of seconds, one per L3 call): concatenated, so a histogram sees
   every call of every worker;
-- gauges (`GAUGES`, {process: value}): the latest value per worker process, summed over them
-  when read, so a sum across workers and a merge across intervals both come out right.
+- gauges (`backup_queue_pages`, {worker process: value}): each worker's current value, sent
+  every interval, moved or not: vLLM hands `prom.py` each step's stats merged over the
+  workers that sent them, so a worker left out would drop out of the sum; merged across
+  intervals, the latest value per process wins, and the log sums them.
 
 A worker's L3 call times and backup queue are observed in its process (`Observed`): vLLM
 asks the connector for stats, not the worker's parts.
@@ -14,6 +16,7 @@ asks the connector for stats, not the worker's parts.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -24,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from hicache_async.storage.wrapping import WrappingStorage
 
 SAMPLES = ("l3_read_seconds", "l3_write_seconds")
-GAUGES = ("backup_queue_pages",)
 MAX_SAMPLES = 4096      # per kind and interval (one engine step): the rest of a flood is dropped
 _OPS = {"batch_get": "l3_read_seconds", "batch_set": "l3_write_seconds"}
 
@@ -62,13 +64,17 @@ class HiCacheStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        """Nothing moved and every gauge is zero: no log line (a gauge goes out every interval)."""
+        return not any(sum(v.values()) if isinstance(v, dict) else v for v in self.data.values())
 
 
 class Observed:
-    """This process's L3 call seconds since the last interval, and its backup queue."""
+    """This process's L3 call seconds since the last interval, and its backup queue; `worker`
+    names it among the workers (host and pid: Ray may place two workers with one pid on two
+    hosts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: str = f"{socket.gethostname()}/{os.getpid()}") -> None:
+        self.worker = worker
         self._lock = threading.Lock()
         self._samples: dict[str, list[float]] = {name: [] for name in SAMPLES}
         self._queue = None      # () -> pages the worker's backups still read
@@ -84,12 +90,12 @@ class Observed:
                 self._samples[name].append(seconds)
 
     def take(self) -> dict:
-        """The samples since the last take (drained), and the gauges now."""
+        """The samples since the last take (drained), and the gauges now, moved or not."""
         with self._lock:
             out = {name: samples for name, samples in self._samples.items() if samples}
             self._samples = {name: [] for name in SAMPLES}
         if self._queue is not None:
-            out["backup_queue_pages"] = {str(os.getpid()): self._queue()}
+            out["backup_queue_pages"] = {self.worker: self._queue()}
         return out
 
 
@@ -116,21 +122,16 @@ class TimedStorage(WrappingStorage):
 
 
 class Deltas:
-    """What changed since the last `take`: running totals as increases, this process's samples
-    (`OBSERVED`), and its gauges when they moved (from zero, at first)."""
+    """What changed since the last `take`: running totals as increases, and this process's
+    samples and gauges (`OBSERVED`)."""
 
     def __init__(self, observed: Observed = OBSERVED) -> None:
         self._last: Counter = Counter()
-        self._gauges: dict = {}
         self.observed = observed
 
     def take(self, totals: dict[str, int]) -> HiCacheStats | None:
         now = Counter({k: v for k, v in totals.items() if v})
         data = dict(now - self._last)
         self._last = now
-        for key, value in self.observed.take().items():
-            if key not in GAUGES:
-                data[key] = value
-            elif value != self._gauges.get(key, {k: 0 for k in value}):    # moved (from zero, at first)
-                data[key] = self._gauges[key] = value
+        data.update(self.observed.take())
         return HiCacheStats(data) if data else None

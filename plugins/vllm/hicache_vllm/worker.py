@@ -75,6 +75,7 @@ class WorkerSide:
         self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
         self._prefetching: set[Future] = set()
         self._load_span = None
+        self._load_event = None                          # this step's loads, landed on it
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
                        "slot_violations": 0}
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
@@ -136,8 +137,7 @@ class WorkerSide:
             for slot, page in zip(move.slots, move.pages):
                 self.pages[slot] = (page, move.tenant)
         slots, blocks = _flat(saves)
-        events = [e for e in (getattr(self, "_load_event", None), self.copies.save(slots, blocks) if slots else None)
-                  if e is not None]
+        events = [e for e in (self._load_event, self.copies.save(slots, blocks) if slots else None) if e is not None]
         self._load_event = None
         chained = [job for job in plan.backups if job.after_save]
         if plan.copies:
@@ -251,7 +251,8 @@ class WorkerSide:
         return totals
 
     def reports(self) -> JobReports | None:
-        """Plans whose copies landed, finished jobs, and slots late reads hold or released."""
+        """Plans whose copies landed, finished jobs, slots late reads hold or released, and
+        pages the store evicted (no longer in L3, for the flush either)."""
         self._land()
         with self._lock:
             done, self._finished = self._finished, {}
@@ -259,9 +260,12 @@ class WorkerSide:
             released, self._released = self._released, Counter()
         copied, self._copied = self._copied, Counter()
         synchronous, self._synchronous = self._synchronous, 0
-        if not (done or copied or held or released or synchronous):
+        evicted = self.store.evicted_pages() if self.store is not None else set()
+        self.in_l3.difference_update(evicted)
+        if not (done or copied or held or released or synchronous or evicted):
             return None
-        return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous)
+        return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous,
+                          evicted)
 
     # -- L3 --------------------------------------------------------------------------------
 

@@ -1,8 +1,13 @@
 """Steps whose saves overflow the host tier, in real vLLM: eight prompts with prefixes of their
 own, sent four at a time (so four requests save in one step) into a 12-page host tier over a
-file L3, twice in one engine, then read back one at a time by a new process. Under every
-write policy each output equals vLLM's own run of the same request (float32, so batches of
-other shapes round alike; threads pinned alike by `vllm_engine`)."""
+file L3, twice in one engine, then read back one at a time by a new process, under every write
+policy. Each output is compared with vLLM's own run of the same request (no connector, float32,
+threads pinned alike by `vllm_engine`): the reads, one at a time, exactly. In the writer the
+connector's L3 lookups park requests for a step, so its batches differ from vLLM's own run of
+the same four prompts, and batch shape alone moves float32 logprobs by about 1e-5 (measured:
+the same prompts alone and four at a time, no connector); there the tokens must be equal and
+the logprobs within 1e-3 (a wrong page of KV changes the tokens: 7 or 8 of 8 in issue 36).
+"""
 from __future__ import annotations
 
 import random
@@ -26,9 +31,12 @@ def crowd() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def alone(llama, crowd) -> list[dict]:
-    """vLLM's own run of each prompt, no connector, its prefix cache reset before each."""
-    return run_engine(llama, [s for p in crowd for s in (RESET, gen(p))], **SPEC)
+def own(llama, crowd) -> tuple[list[dict], list[dict]]:
+    """vLLM's own runs, no connector: the prompts four at a time, and each alone (its prefix
+    cache reset before each)."""
+    out = run_engine(llama, [_many(crowd[:4]), _many(crowd[4:])] + [s for p in crowd for s in (RESET, gen(p))],
+                     **SPEC)
+    return out[:8], out[8:]
 
 
 def _many(prompts: list[list[int]]) -> dict:
@@ -36,13 +44,24 @@ def _many(prompts: list[list[int]]) -> dict:
 
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
-def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(llama, crowd, alone, tmp_path, policy):
+def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(llama, crowd, own, tmp_path, policy):
     extra = {"storage": "file", "storage_path": str(tmp_path / "store"), "host_pages": HOST_PAGES,
              "write_policy": policy}
     rounds = [_many(crowd[:4]), _many(crowd[4:])]
     written = run_engine(llama, rounds + [RESET] + rounds, extra, **SPEC)
     read = run_engine(llama, [gen(p) for p in crowd], extra, **SPEC)
-    for n, out in enumerate(written + read):
-        assert same_output(out, alone[n % 8]), (policy, n, tiers(out))
-    assert sum(sum(tiers(out)) for out in written[8:]) > 0          # the second round used our tiers
-    assert sum(tiers(out)[1] for out in read) > 0                   # the new process read L3
+    batched, alone = own
+    for n, (first, second) in enumerate(zip(written[:8], written[8:])):
+        assert tiers(first) == (0, 0) and close_output(first, batched[n]), (n, tiers(first))
+        assert close_output(second, batched[n]), (n, tiers(second))
+    for n, out in enumerate(read):
+        assert same_output(out, alone[n]), (n, tiers(out))
+    if policy != "write_through_selective":    # (there L3 has nothing before a page's second use)
+        assert sum(sum(tiers(out)) for out in written[8:]) >= 4 * PAGE_TOKENS     # the second round used our tiers
+    assert sum(tiers(out)[1] for out in read) >= 4 * PAGE_TOKENS                  # the new process read L3
+
+
+def close_output(a: dict, b: dict, tol: float = 1e-3) -> bool:
+    """The same greedy tokens, and top-3 logprobs within `tol`."""
+    return a["tokens"] == b["tokens"] and all(
+        d.keys() == e.keys() and all(abs(d[k] - e[k]) <= tol for k in d) for d, e in zip(a["logprobs"], b["logprobs"]))

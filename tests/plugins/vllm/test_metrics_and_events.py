@@ -28,6 +28,7 @@ from .servers import metric, serving
 
 FULL = 288      # a 300-token prompt's full 32-token pages
 GOOD = 4        # F1's pages read back from L3 before the corrupt one
+RECOMPUTED = 9 - GOOD   # F1's pages from the corrupt one on, saved and stored again
 
 
 def _post(port: int, path: str, body: dict) -> dict:
@@ -85,10 +86,14 @@ def run(llama, tmp_path_factory) -> dict:
                 data[len(data) // 2] ^= 0x40
                 obj.write_bytes(bytes(data))
                 out["F1 from L3"] = complete("F1")
-                time.sleep(0.5)     # F1's pages are stored again; a worker's stats go out with a step:
-                server.complete(prompts["P"][:8])       # a prompt of no full page steps the engine
-                time.sleep(1.0)
-                out["metrics"] = server.metrics()
+                for _ in range(40):     # F1's pages are stored again; a worker's stats go out with a step:
+                    time.sleep(0.25)
+                    server.complete(prompts["P"][:8])   # a prompt of no full page steps the engine
+                    time.sleep(0.25)
+                    out["metrics"] = server.metrics()
+                    if _settled(out["metrics"]):
+                        break
+                out["page_bytes"] = sum(f.stat().st_size for f in page_files(root / "l3", prompts["P"])[0])
                 out["model"] = server.model
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -96,6 +101,12 @@ def run(llama, tmp_path_factory) -> dict:
             indexer.wait(30)
     out["indexer_log"] = (root / "indexer.log").read_text(errors="replace")
     return out
+
+
+def _settled(text: str) -> bool:
+    """Every backup done and reported: F1's recomputed pages counted, the queue empty."""
+    return (metric(text, "vllm:hicache_pages_total", op="backed_up", engine="0") == 7 * 9 + RECOMPUTED
+            and metric(text, "vllm:hicache_backup_queue_pages", engine="0") == 0)
 
 
 def test_prefixes_come_back_from_the_host_tier_and_from_l3(run):
@@ -107,22 +118,26 @@ def test_metrics_count_tokens_by_tier_pages_bytes_refusals_and_l3_call_latency(r
     text, labels = run["metrics"], {"engine": "0", "model_name": run["model"]}
     assert metric(text, "vllm:hicache_prefix_tokens_total", tier="host", **labels) == FULL
     assert metric(text, "vllm:hicache_prefix_tokens_total", tier="l3", **labels) == GOOD * 32
-    recomputed = 9 - GOOD               # F1's pages from the corrupt one on, saved and stored again
-    assert metric(text, "vllm:hicache_pages_total", op="saved", **labels) == 7 * 9 + recomputed
-    assert metric(text, "vllm:hicache_pages_total", op="backed_up", **labels) == 7 * 9 + recomputed
+    assert metric(text, "vllm:hicache_pages_total", op="saved", **labels) == 7 * 9 + RECOMPUTED
+    assert metric(text, "vllm:hicache_pages_total", op="backed_up", **labels) == 7 * 9 + RECOMPUTED
     assert metric(text, "vllm:hicache_pages_total", op="loaded", **labels) == 9 + GOOD
     assert metric(text, "vllm:hicache_pages_total", op="read", **labels) == GOOD
     assert metric(text, "vllm:hicache_l3_rejected_objects_total", reason="corrupt", **labels) == 1
     assert metric(text, "vllm:hicache_l3_healed_objects_total", **labels) == 1     # F1's page, stored again
-    assert metric(text, "vllm:hicache_l3_rejected_objects_total", reason="forged", **labels) in (None, 0.0)
-    written = metric(text, "vllm:hicache_l3_bytes_total", direction="write", **labels)
-    read = metric(text, "vllm:hicache_l3_bytes_total", direction="read", **labels)
-    assert written > 7 * 9 * 64 * 1024 > read > GOOD * 64 * 1024      # 64 KiB of KV a page, and headers
-    for op in ("read", "write"):
-        calls = metric(text, "vllm:hicache_l3_call_seconds_count", op=op, **labels)
-        assert calls >= 1 and metric(text, "vllm:hicache_l3_call_seconds_bucket", op=op, le="+Inf", **labels) == calls
+    for reason in ("forged", "missing"):
+        assert metric(text, "vllm:hicache_l3_rejected_objects_total", reason=reason, **labels) == 0
+    assert metric(text, "vllm:hicache_l3_failed_calls_total", **labels) == 0
+    # every page one object of the same size; written: 7 prompts' pages and F1's healed one (the
+    # rest of F1's recomputed pages were still stored: skipped); read: F1's good pages
+    assert metric(text, "vllm:hicache_l3_bytes_total", direction="write", **labels) == (7 * 9 + 1) * run["page_bytes"]
+    assert metric(text, "vllm:hicache_l3_bytes_total", direction="read", **labels) == GOOD * run["page_bytes"]
+    # reads: each of the 7 prompts' first look into L3 (it ends at the first object, missing) and
+    # F1's prefetch; writes: a backup a prompt and F1's again
+    for op, calls in (("read", 7 + 1), ("write", 7 + 1)):
+        assert metric(text, "vllm:hicache_l3_call_seconds_count", op=op, **labels) == calls
+        assert metric(text, "vllm:hicache_l3_call_seconds_bucket", op=op, le="+Inf", **labels) == calls
         assert 0 < metric(text, "vllm:hicache_l3_call_seconds_sum", op=op, **labels) < calls * 2.0
-    assert metric(text, "vllm:hicache_backup_queue_pages", **labels) is not None
+    assert metric(text, "vllm:hicache_backup_queue_pages", **labels) == 0        # all stored, reported
 
 
 def test_dynamos_indexer_sees_our_tiers_and_drops_no_event(run):

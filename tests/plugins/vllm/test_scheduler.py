@@ -1,14 +1,20 @@
-"""The scheduler side's decisions, one class under test with a stand-in for vLLM's Request."""
+"""The scheduler side's decisions, one class under test with a stand-in for vLLM's Request.
+
+The workers are played by the test: a plan's copies and an L3 job change a slot's state only
+once every worker reported them (`landed`, `JobReports`)."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hicache_vllm.plan import JobReports
+import pytest
+from hicache_vllm.host_slots import State
+from hicache_vllm.plan import JobReports, StepPlan
 from hicache_vllm.scheduler import RequestPages, SchedulerSide
 from hicache_vllm.settings import Settings
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from hicache_async.config import WRITE_POLICIES
 
 PAGE = 4
 
@@ -33,18 +39,38 @@ def side(workers: int = 1, **settings) -> SchedulerSide:
     return SchedulerSide(Settings(**{"host_pages": 4, **settings}), PAGE, workers)
 
 
+def with_l3(workers: int = 1, **settings) -> SchedulerSide:
+    """A side that plans L3 jobs with no store behind it: the test reports them."""
+    s = side(workers, storage="none", **settings)
+    s.l3 = True
+    return s
+
+
 def blocks(req_id: str) -> list[int]:
     return list(range(100, 120))
 
 
-def computed(s: SchedulerSide, req: Req, tokens: int):
+def computed(s: SchedulerSide, req: Req, tokens: int) -> StepPlan:
     """vLLM schedules `tokens` of `req` this step; the plan it gets."""
     plan = s.build({req.request_id: tokens}, blocks)
     req.num_computed_tokens += tokens
+    s.slots.check()
     return plan
 
 
-def test_write_through_saves_each_completed_page_and_backs_it_up():
+def landed(s: SchedulerSide, plan: StepPlan, workers: int = 1) -> None:
+    """`workers` workers report the plan's copies landed."""
+    s.reported(JobReports(copied=Counter({plan.step: workers})))
+    s.slots.check()
+
+
+def looked(s: SchedulerSide, *reqs: Req) -> None:
+    """Requests that looked in L3 already (none of the test's business)."""
+    for req in reqs:
+        s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
+
+
+def test_write_through_saves_each_completed_page_and_backs_it_up_once_saved():
     s, req = side(), Req("a", list(range(13)))
     assert s.matched(req, 0) == (None, False)          # it looks in L3 first
     s.reported(JobReports({0: (1, 0)}))
@@ -53,20 +79,87 @@ def test_write_through_saves_each_completed_page_and_backs_it_up():
     plan = computed(s, req, 13)
     (save,) = plan.saves
     assert save.blocks == [100, 101, 102] and len(set(save.slots)) == 3
+    assert save.pages == s.requests["a"].hashes
     (backup,) = plan.backups
-    assert backup.slots == save.slots and backup.req_ids == ["a"]
+    assert backup.slots == save.slots and backup.req_ids == ["a"] and backup.after_save
 
 
-def test_write_back_stores_a_page_only_as_it_leaves_the_host_tier():
-    s = side(write_policy="write_back", storage="none")
-    s.l3 = True
-    for name in "abc":
-        req = Req(name, [ord(name)] * 8 + [0])
-        s.requests[name] = RequestPages(req, looked_in_l3=True)
+def test_a_saved_page_is_loadable_only_once_every_worker_reported_its_copy():
+    s, a = side(workers=2, storage="none"), Req("a", list(range(9)))
+    s.matched(a, 0)
+    plan = computed(s, a, 9)
+    assert s.matched(Req("b", list(range(9))), 0) == (0, False)       # FILLING: not loadable
+    landed(s, plan)
+    assert s.matched(Req("c", list(range(9))), 0) == (0, False)       # one worker of two
+    landed(s, plan)
+    assert s.matched(Req("d", list(range(9))), 0) == (8, False)
+
+
+def test_write_back_stores_a_page_only_as_it_leaves_the_host_tier_and_reuses_its_slot_after_that():
+    s = with_l3(write_policy="write_back")
+    a, b, c, d = (Req(n, [ord(n)] * 8 + [0]) for n in "abcd")
+    looked(s, a, b, c, d)
+    for req in (a, b):
         plan = computed(s, req, 9)
         assert not plan.backups
-    assert [len(j.hashes) for j in plan.evictions] == [2]          # a's two pages made room for c's
-    assert set(plan.evictions[0].slots) == set(plan.saves[0].slots)
+        landed(s, plan)
+    plan = computed(s, c, 9)                   # no slot is FREE: a's two pages leave through L3
+    assert not plan.saves                      # ...and c's pages skip the tier: a save never waits
+    (backup,) = plan.backups
+    assert backup.hashes == s.requests["a"].hashes and not backup.after_save
+    assert all(s.slots.slots[slot].state is State.LEAVING for slot in backup.slots)
+    assert computed(s, d, 0).saves == [] and not s.slots.free       # still leaving, not handed out
+    s.reported(JobReports({backup.job: (1, 2)}))
+    assert sorted(s.slots.free) == sorted(backup.slots)
+    plan = computed(s, d, 9)
+    assert sorted(plan.saves[0].slots) == sorted(backup.slots) and not plan.backups
+
+
+def test_a_page_l3_holds_leaves_under_write_back_without_a_backup():
+    s = with_l3(write_policy="write_back", host_pages=2)
+    a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
+    looked(s, a, b)
+    landed(s, computed(s, a, 9))
+    s.stored_l3.update(dict.fromkeys(s.requests["a"].hashes))         # a prefetch or a backup put them there
+    plan = computed(s, b, 9)
+    assert not plan.backups and len(plan.saves[0].slots) == 2
+
+
+def writes_each_slot_once(plan: StepPlan) -> None:
+    """No slot is written twice by the plan's saves, and a backup reads a slot the plan saves
+    into only as the backup of that very save (`after_save`: it starts once the save landed)."""
+    slots = [slot for move in plan.saves for slot in move.slots]
+    assert len(slots) == len(set(slots))
+    saved = dict(zip(slots, (page for move in plan.saves for page in move.pages)))
+    for job in plan.backups:
+        if job.after_save:
+            assert [saved[slot] for slot in job.slots] == job.hashes
+        else:
+            assert not saved.keys() & set(job.slots)
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_requests_saving_past_the_host_tier_in_one_step_never_share_a_slot(policy):
+    """The crowded step: 17-token requests, more than a 4-slot tier holds, saved in one step,
+    then again once the first ones' pages are in the tier."""
+    s = with_l3(write_policy=policy)
+    a, b, c = Req("a", list(range(17))), Req("b", list(range(50, 67))), Req("c", list(range(17)))
+    d, e = Req("d", list(range(100, 117))), Req("e", list(range(200, 217)))
+    looked(s, a, b, c, d, e)
+    plan = s.build({"a": 17, "b": 17, "c": 17}, blocks)
+    writes_each_slot_once(plan)
+    assert [m.req_id for m in plan.saves] == ["a"] and len(plan.saves[0].slots) == 4     # b and c: no slot
+    landed(s, plan)
+    for job in plan.backups:
+        s.reported(JobReports({job.job: (1, len(job.hashes))}))
+    plan = s.build({"d": 17, "e": 17}, blocks)
+    s.slots.check()
+    writes_each_slot_once(plan)
+    leaving = [job for job in plan.backups if not job.after_save]
+    if policy == "write_back":      # a's pages leave through L3; their slots serve a later step
+        assert not plan.saves and [job.hashes for job in leaving] == [s.requests["a"].hashes]
+    else:                           # a's pages are in L3 (or never backed up): their slots are reused
+        assert [len(m.slots) for m in plan.saves] == [4] and not leaving
 
 
 def test_a_prefetch_serves_only_what_every_worker_verified_from_the_slots_it_read_into():
@@ -77,19 +170,23 @@ def test_a_prefetch_serves_only_what_every_worker_verified_from_the_slots_it_rea
     s.reported(JobReports({job.job: (1, 4)}))
     assert s.matched(req, 0) == (None, False)          # one worker of two has answered
     s.reported(JobReports({job.job: (1, 3)}))
+    assert list(s.slots.free) == job.slots[3:]         # the fourth slot holds no page: free again
     assert s.matched(req, 0) == (12, False)
     s.allocated(req, 12)
-    (load,) = computed(s, req, 5).loads
-    assert load.slots == job.slots[:3] and load.blocks == [100, 101, 102]
-    assert s.index.free.free == 1                       # the fourth slot holds no page: free again
-    assert s.finished(req) == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": ""}}
+    req.num_computed_tokens = 12
+    plan = computed(s, req, 5)
+    (load,) = plan.loads
+    assert load.slots == job.slots[:3] and load.blocks == [100, 101, 102] and load.pages == job.hashes[:3]
+    assert plan.saves[0].slots == job.slots[3:]        # the page past the verified run is saved
+    keep, params = s.finished(req)
+    assert keep and params == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": ""}}
 
 
 def test_a_load_holds_its_slots_until_a_plan_carries_it():
     s = side(host_pages=2, storage="none")
     a = Req("a", list(range(9)))
     s.matched(a, 0)
-    computed(s, a, 9)
+    landed(s, computed(s, a, 9))
     b = Req("b", list(range(9)))
     assert s.matched(b, 0) == (8, False)
     s.allocated(b, 8)
@@ -101,16 +198,28 @@ def test_a_load_holds_its_slots_until_a_plan_carries_it():
     assert plan.loads[0].slots and plan.loads[0].blocks == [100, 101]
 
 
-def test_a_plans_saves_may_reuse_the_slots_its_loads_read_first():
-    s = side(host_pages=2, storage="none")
-    a, b, c = Req("a", list(range(9))), Req("b", list(range(9))), Req("c", list(range(50, 59)))
+def test_a_loads_slots_are_reused_only_once_every_worker_reported_its_plan_copied():
+    s = side(workers=2, host_pages=2, storage="none")
+    a, b, c, d = Req("a", list(range(9))), Req("b", list(range(9))), Req("c", list(range(50, 59))), \
+        Req("d", list(range(60, 69)))
     s.matched(a, 0)
-    computed(s, a, 9)
+    landed(s, computed(s, a, 9), workers=2)
     s.matched(b, 0)
     s.allocated(b, 8)
-    s.matched(c, 0)
+    looked(s, c, d)
     plan = s.build({"b": 1, "c": 9}, blocks)
-    assert plan.saves[0].slots == plan.loads[0].slots    # a worker loads before it saves
+    (load,) = plan.loads
+    assert not plan.saves                                    # c's pages skip the tier: b's load reads both slots
+
+    def d_saves():
+        d.num_computed_tokens = 0
+        looked(s, d)
+        return computed(s, d, 9).saves
+
+    landed(s, plan)
+    assert not d_saves()                                     # one worker of two: still read
+    landed(s, plan)
+    assert sorted(d_saves()[0].slots) == sorted(load.slots)
 
 
 def test_tenants_and_events():
@@ -119,10 +228,17 @@ def test_tenants_and_events():
     b = Req("b", list(range(9)), cache_salt="t2")
     for req in (a, b):
         s.matched(req, 0)
-        computed(s, req, 9)
-    assert len(s.index.slot_of) == 4                   # the same tokens, two tenants: four pages
-    stored = [e for e in s.events.take() if type(e).__name__ == "BlockStored"]
-    assert stored[0].medium == "CPU" and stored[0].block_hashes == [maybe_convert_block_hash(b"h0")]
+        plan = computed(s, req, 9)
+        assert not [e for e in s.events.take() if type(e).__name__ == "BlockStored"]    # not landed yet
+        landed(s, plan)
+        stored = [e for e in s.events.take() if type(e).__name__ == "BlockStored"]
+        if req is a:        # one event a page vLLM named, chained
+            h0, h1 = maybe_convert_block_hash(b"h0"), maybe_convert_block_hash(b"h1")
+            assert [(e.block_hashes, e.parent_block_hash, e.medium) for e in stored] == \
+                [([h0], None, "CPU"), ([h1], h0, "CPU")]
+        else:               # no block hashes of vLLM's: nothing to name
+            assert not stored
+    assert len(s.slots.slot_of) == 4                   # the same tokens, two tenants: four pages
 
 
 def test_stats_are_each_intervals_sums_added_across_workers():
@@ -137,22 +253,19 @@ def test_stats_are_each_intervals_sums_added_across_workers():
     assert first.aggregate(other).reduce() == {"l3_read_pages": 5, "l3_corrupt_objects": 1}
 
 
-def selective() -> SchedulerSide:
-    s = side(write_policy="write_through_selective", storage="none")
-    s.l3 = True
-    return s
-
-
 def test_selective_write_through_counts_device_cache_hits_as_uses():
-    """Computed once, then reused from vLLM's own cache: the second use backs it up; a third
-    use while that backup runs issues no other, and a stored page is not backed up again."""
-    s = selective()
+    """Computed once, then reused from vLLM's own cache: the second use backs it up from its
+    host slot once its save landed; a third use while that backup runs issues no other, and a
+    stored page is not backed up again."""
+    s = with_l3(write_policy="write_through_selective")
     a = Req("a", list(range(9)))
-    s.requests["a"] = RequestPages(a, looked_in_l3=True)
-    assert not computed(s, a, 9).backups
+    looked(s, a)
+    plan = computed(s, a, 9)
+    assert not plan.backups
+    landed(s, plan)
     assert s.matched(Req("b", list(range(9))), 8) == (0, False)        # 8 tokens from vLLM's device cache
     (backup,) = s.build({}, blocks).backups
-    assert backup.hashes == s.requests["a"].hashes
+    assert backup.hashes == s.requests["a"].hashes and not backup.after_save
     s.matched(Req("c", list(range(9))), 8)
     assert not s.build({}, blocks).backups                             # its backup is under way
     s.reported(JobReports({backup.job: (1, 2)}))
@@ -163,38 +276,34 @@ def test_selective_write_through_counts_device_cache_hits_as_uses():
 def test_a_backup_pins_its_slots_until_every_worker_reported_it():
     """A save never waits for L3: it takes no slot a backup still reads, and skips the tier
     when only such slots are left."""
-    s = side(workers=2, host_pages=2, storage="none")
-    s.l3 = True
+    s = with_l3(workers=2, host_pages=2)
     a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
-    for req in (a, b):
-        s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
-    (backup,) = computed(s, a, 9).backups
-    assert not computed(s, b, 9).saves
+    looked(s, a, b)
+    plan = computed(s, a, 9)
+    (backup,) = plan.backups
+    landed(s, plan, workers=2)
+
+    def b_saves():
+        b.num_computed_tokens = 0
+        looked(s, b)
+        return computed(s, b, 9).saves
+
+    assert not b_saves()
     s.reported(JobReports({backup.job: (1, 2)}))                       # one worker of two
-    b.num_computed_tokens = 0
-    s.requests["b"] = RequestPages(b, looked_in_l3=True)
-    assert not computed(s, b, 9).saves
+    assert not b_saves()
     s.reported(JobReports({backup.job: (1, 2)}))
-    b.num_computed_tokens = 0
-    s.requests["b"] = RequestPages(b, looked_in_l3=True)
-    assert sorted(computed(s, b, 9).saves[0].slots) == sorted(backup.slots)
+    assert sorted(b_saves()[0].slots) == sorted(backup.slots)
 
 
 def test_a_prefetch_no_worker_reports_is_given_up_after_storage_timeout():
-    s = side(storage_timeout=0.05)
+    s, now = side(storage_timeout=5.0), [0.0]
+    s.clock = lambda: now[0]
     req = Req("a", list(range(13)))
     assert s.matched(req, 0) == (None, False)
-    time.sleep(0.1)
+    now[0] = 4.0
+    assert s.matched(req, 0) == (None, False)                          # still waited for
+    now[0] = 6.0
     assert s.matched(req, 0) == (0, False)                             # recomputed, not parked
-
-
-def test_pages_in_stale_slots_are_forgotten():
-    s = side(storage="none")
-    a = Req("a", list(range(9)))
-    s.matched(a, 0)
-    (save,) = computed(s, a, 9).saves
-    s.reported(JobReports({}, {save.slots[1]}))
-    assert s.matched(Req("b", list(range(9))), 0) == (4, False)         # page 0 only
 
 
 def test_a_page_that_failed_its_prefetch_is_backed_up_again():
@@ -204,11 +313,15 @@ def test_a_page_that_failed_its_prefetch_is_backed_up_again():
     (probe,) = s.build({}, blocks).prefetches
     s.reported(JobReports({probe.job: (1, 0)}))
     s.matched(a, 0)
-    (backup,) = computed(s, a, 13).backups
+    plan = computed(s, a, 13)
+    (backup,) = plan.backups
+    landed(s, plan)
     s.reported(JobReports({backup.job: (1, 3)}))                        # all three in L3
     c = Req("c", list(range(50, 63)))
-    s.requests["c"] = RequestPages(c, looked_in_l3=True)
-    (c_backup,) = computed(s, c, 13).backups                            # a's pages leave the host tier
+    looked(s, c)
+    plan = computed(s, c, 13)                                           # a's pages leave the host tier
+    (c_backup,) = plan.backups
+    landed(s, plan)
     s.reported(JobReports({c_backup.job: (1, 3)}))
     b = Req("b", list(range(13)))
     assert s.matched(b, 0) == (None, False)
@@ -226,7 +339,7 @@ def test_prompt_logprobs_and_skip_reading_get_no_external_hit():
     s = side(storage="none")
     a = Req("a", list(range(9)))
     s.matched(a, 0)
-    computed(s, a, 9)
+    landed(s, computed(s, a, 9))
     scored = Req("b", list(range(9)))
     scored.sampling_params = type("P", (), {"prompt_logprobs": 1})()
     skipping = Req("c", list(range(9)))
@@ -239,11 +352,39 @@ def test_a_slot_a_late_read_may_write_is_given_to_no_page_until_every_worker_rel
     s, req = side(workers=2, host_pages=4), Req("a", list(range(17)))
     s.matched(req, 0)
     (job,) = s.build({}, blocks).prefetches
-    late = job.slots[2]
+    late, spare = job.slots[2], job.slots[3]
     s.reported(JobReports({job.job: (1, 2)}, held=Counter({late: 1})))
     s.reported(JobReports({job.job: (1, 4)}, held=Counter({late: 1})))
-    assert s.index.free.free == 1 and late in s.spare                  # slot 3 free, slot 2 held
+    assert list(s.slots.free) == [spare] and s.slots.slots[late].state is State.LEAVING
     s.reported(JobReports(released=Counter({late: 1})))
-    assert late in s.spare                                              # one worker's read still out
+    assert late not in s.slots.free                                     # one worker's read still out
     s.reported(JobReports(released=Counter({late: 1})))
-    assert s.index.free.free == 2 and not s.spare
+    assert sorted(s.slots.free) == sorted([late, spare])
+    s.slots.check()
+
+
+def test_where_every_worker_copies_within_its_step_a_finished_request_keeps_no_blocks():
+    s = side(workers=2, storage="none")
+    s.reported(JobReports(synchronous=1))
+    s.reported(JobReports(synchronous=1))
+    a = Req("a", list(range(9)))
+    s.matched(a, 0)
+    computed(s, a, 9)                                                  # its saves not reported yet
+    keep, _ = s.finished(a)
+    assert not keep and not s.build({}, blocks).keep
+
+
+def test_a_finished_request_whose_saves_have_not_landed_is_kept_and_the_next_plan_says_so():
+    s = side(workers=2, storage="none")
+    s.reported(JobReports(synchronous=1))                              # one worker of two copies in-step
+    a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
+    s.matched(a, 0)
+    s.matched(b, 0)
+    plan = computed(s, a, 9)
+    keep, _ = s.finished(a)
+    assert keep and s.build({}, blocks).keep == ["a"]
+    assert not s.build({}, blocks).keep                                # said once
+    landed(s, plan, workers=2)
+    b_plan = computed(s, b, 9)
+    landed(s, b_plan, workers=2)
+    assert s.finished(b) == (False, {"hicache": {"host_tokens": 0, "l3_tokens": 0, "model": ""}})

@@ -1,8 +1,15 @@
 """Our tiers' KV events on vLLM's own Request objects: every stored block names its tokens,
-size, parent and LoRA under vLLM's hashes, in every tier, and leaves it once."""
+size, parent and LoRA under vLLM's hashes, in every tier, and leaves it once; and the
+scheduler side sends them when what they say holds: a page is in the host tier once every
+worker's save landed, and leaves L3 when a worker's store evicted it."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from hicache_vllm.plan import JobReports
+from hicache_vllm.scheduler import RequestPages, SchedulerSide
+from hicache_vllm.settings import Settings
 from hicache_vllm.tier_events import TierEvents
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -92,3 +99,48 @@ def test_what_is_remembered_is_bounded_by_the_tiers(request_):
     events.removed(["h1", "h2"], "STORAGE")
     out = events.take()
     assert [e.block_hashes for e in out if isinstance(e, BlockRemoved)] == [[vllm_hash(request_, 2)]]
+
+
+def _plain(name: str = "p") -> Request:
+    """Nine tokens, no adapter: two full pages."""
+    init_none_hash(sha256)
+    return Request(name, list(range(200, 209)), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(PAGE, sha256))
+
+
+def _scheduler(req: Request, workers: int) -> SchedulerSide:
+    s = SchedulerSide(Settings(storage="none", host_pages=4), PAGE, workers)
+    s.l3 = True                                 # it plans backups; the test reports them
+    s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
+    return s
+
+
+def test_a_save_is_announced_in_the_host_tier_only_once_every_worker_reported_it_landed():
+    req = _plain()
+    s = _scheduler(req, workers=2)
+    plan = s.build({"p": 9}, lambda _: [7, 8, 9])
+    assert [m.blocks for m in plan.saves] == [[7, 8]]
+    assert stored(s.events.take(), "CPU") == []                 # planned, not landed
+    s.reported(JobReports(copied=Counter({plan.step: 1})))
+    assert stored(s.events.take(), "CPU") == []                 # one worker of two
+    s.reported(JobReports(copied=Counter({plan.step: 1})))
+    assert [b.block_hashes for b in stored(s.events.take(), "CPU")] == [[vllm_hash(req, 0)], [vllm_hash(req, 1)]]
+
+
+def test_an_eviction_a_worker_reports_withdraws_the_page_from_storage_after_its_backup_is_announced():
+    req = _plain()
+    s = _scheduler(req, workers=2)
+    plan = s.build({"p": 9}, lambda _: [7, 8, 9])
+    (backup,) = plan.backups
+    h0, h1 = s.requests["p"].hashes
+    s.reported(JobReports(copied=Counter({plan.step: 2})))
+    s.events.take()
+    s.reported(JobReports({backup.job: (1, 2)}))
+    s.reported(JobReports({backup.job: (1, 2)}, evicted={h0, "not-announced"}))   # stored, then evicted
+    out = s.events.take()
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in out] == [
+        ("BlockStored", "STORAGE", [vllm_hash(req, 0)]), ("BlockStored", "STORAGE", [vllm_hash(req, 1)]),
+        ("BlockRemoved", "STORAGE", [vllm_hash(req, 0)])]
+    assert list(s.stored_l3) == [h1]
+    s.reported(JobReports(evicted={h0}))
+    assert s.events.take() == [] and list(s.stored_l3) == [h1]      # withdrawn once

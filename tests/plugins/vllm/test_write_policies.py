@@ -39,18 +39,18 @@ def test_write_through_selective_stores_a_page_on_its_second_use(llama, prompts,
     assert tiers(r)[1] == 0 and same_output(r, cold["r"])
 
 
-def test_write_back_stores_what_leaves_the_host_tier_and_leaves_the_rest_out_at_shutdown(llama, prompts, cold,
-                                                                                         tmp_path):
-    """P and R are 18 pages in a 16-page tier: P's two oldest pages leave it, to L3; the
-    pages still in the host tier at exit are not stored."""
+def test_write_back_stores_what_leaves_the_host_tier_and_the_rest_at_shutdown(llama, prompts, cold, tmp_path):
+    """P and R are 18 pages in a 16-page tier: to save R, P's two oldest pages leave it through
+    L3 (R's last two pages may skip the tier, if their slots are still leaving: a save never
+    waits); what the host tier holds at the end is written by the worker's close on the
+    engine's way out."""
     extra = _store(tmp_path, "write_back")
     run_engine(llama, [gen(prompts["p"]), gen(prompts["r"])], extra)
-    stored = [bool(files) for files in page_files(tmp_path / "store", prompts["p"])]
-    assert stored == [True, True] + [False] * 7
-    assert not any(page_files(tmp_path / "store", prompts["r"]))
+    assert all(page_files(tmp_path / "store", prompts["p"]))
+    assert all(page_files(tmp_path / "store", prompts["r"])[:7])
     p, r = _read_back(llama, prompts, extra)
-    assert tiers(p)[1] == 2 * BLOCK and same_output(p, cold["p"])
-    assert tiers(r)[1] == 0 and same_output(r, cold["r"])
+    assert tiers(p)[1] == HIT and same_output(p, cold["p"])
+    assert tiers(r)[1] >= 7 * BLOCK and same_output(r, cold["r"])
 
 
 @pytest.mark.parametrize("page", [0, 4])
