@@ -53,7 +53,7 @@ class RequestKeys:
                 return True
             if digest is not None and not digest.done():
                 return None
-            adapter = digest.result() if digest is not None else None
+            adapter = self._result(digest) if digest is not None else None
             prior = hashes[-1] if have else None
             extras = [self.page_extra(request, p) for p in range(have, full)]
             start = {} if have else {"salt": request.cache_salt, "adapter": adapter}
@@ -66,15 +66,22 @@ class RequestKeys:
             return False
 
     def _adapter(self, lora) -> Future:
-        """The digest of the adapter's loaded files, started at its first sight. A failed one
-        is forgotten once seen, so the next request tries again."""
+        """The digest of the adapter's loaded files, started at its first sight."""
         version = (lora.lora_int_id,) if not lora.load_inplace else (lora.lora_int_id, *_stamps(lora.lora_path))
         digest = self._adapters.get(version)
         if digest is None:
             digest = self._adapters[version] = self._digests.submit(_adapter_digest, lora)
-        elif digest.done() and digest.exception() is not None:
-            del self._adapters[version]
         return digest
+
+    def _result(self, digest: Future) -> str:
+        """The digest's result; a failed one is forgotten by the request that meets it, so the
+        next request starts another."""
+        try:
+            return digest.result()
+        except Exception:
+            for version in [v for v, d in self._adapters.items() if d is digest]:
+                del self._adapters[version]
+            raise
 
     def page_extra(self, request, page: int) -> bytes:
         """Page `page`'s bytes beyond its token ids, as vLLM's own block hash names them: its

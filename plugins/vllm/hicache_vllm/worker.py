@@ -193,8 +193,9 @@ class WorkerSide:
             for job in chained:
                 if saved.issuperset(job.slots):
                     self._background("backup", job)
-                else:
-                    self._ended("backup", job, 0)
+                else:       # a save dropped here: nothing of ours to store, nothing read
+                    with self._lock:
+                        self._finished[job.job] = 0
 
     def _await_prefetch(self) -> None:
         """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
@@ -270,12 +271,12 @@ class WorkerSide:
     # -- L3 --------------------------------------------------------------------------------
 
     def _background(self, kind: str, job: Job) -> Future | None:
-        if self.store is None:      # nothing to do, but the scheduler waits for every job
-            self._ended(kind, job, 0)
-            return None
         if kind == "backup":
             with self._lock:
                 self._reading.update(job.slots)
+        if self.store is None:      # nothing to do, but the scheduler waits for every job
+            self._ended(kind, job, 0)
+            return None
         future = self._portal.start_task_soon(self._in_thread, kind, job)
         self._running[future] = len(job.hashes) if kind == "backup" else 0
         future.add_done_callback(lambda f: self._running.pop(f, None))

@@ -242,14 +242,14 @@ def test_tenants_and_events():
 
 
 def test_stats_are_each_intervals_sums_added_across_workers():
-    from hicache_vllm.stats import Deltas
+    from hicache_vllm.stats import Deltas, Observed
 
-    deltas = Deltas()
+    deltas = Deltas(Observed("w0"))     # not the process's: a worker opened by another test reports its queue
     assert deltas.take({"l3_read_pages": 0}) is None
     first = deltas.take({"l3_read_pages": 3, "l3_corrupt_objects": 1})
     assert first.data == {"l3_read_pages": 3, "l3_corrupt_objects": 1}
     assert deltas.take({"l3_read_pages": 3, "l3_corrupt_objects": 1}) is None      # nothing new
-    other = Deltas().take({"l3_read_pages": 2})
+    other = Deltas(Observed("w1")).take({"l3_read_pages": 2})
     assert first.aggregate(other).reduce() == {"l3_read_pages": 5, "l3_corrupt_objects": 1}
 
 

@@ -196,8 +196,6 @@ def test_a_preempted_requests_saves_land_before_its_blocks_are_reused_waiting_at
     w.close()
 
 
-@pytest.mark.xfail(strict=True, reason="worker.py: a backup ended without running (no store: L3 unreachable at "
-                                       "start under storage_optional) subtracts readers it never added")
 def test_a_backup_with_no_store_leaves_its_slot_writable():
     """L3 unreachable at start (storage_optional, the default): the scheduler still plans
     backups, each ends at once with nothing stored, and the slot takes the next save."""
