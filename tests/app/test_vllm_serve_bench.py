@@ -36,7 +36,9 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
     goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]       # the two measured medians, as rows show them
     assert (goal["value"], goal["baseline_value"]) == (figures["vllm_serve_small_host_file_median_ttft_s"]["value"],
                                                        host["value"]), goal
-    assert goal["ratio"] == pytest.approx(goal["value"] / goal["baseline_value"], abs=0.01) and goal["goal_max_ratio"] == 1.3
+    # The ratio is of the unrounded medians, the rows show them to the millisecond.
+    assert goal["ratio"] == pytest.approx(goal["value"] / goal["baseline_value"], rel=0.03)
+    assert goal["goal_max_ratio"] == 1.3
     # 5 first uses a side: the ready check already sent the first prompt's prefix. Each runs the
     # whole prefill, so each is slower than the host tier's median request, a hit: a prompt
     # taken for a first use that was not one would be a hit there.

@@ -159,8 +159,9 @@ def test_awaited_all_reduce_costs_about_a_blocking_one():
                      payload={"n": 300, "reps": 5})
     timing = results[0]
     print(f"1-element MIN all_reduce, 2 gloo ranks: {timing}")
-    # Loose: this machine's 2 cores are shared with other work; the report quotes real figures.
-    assert timing["awaited_us"] < 2 * timing["blocking_us"]
+    # Loose: the 2 cores are shared with other work (2.5x seen under a full test run). What it
+    # guards is an awaited wait that falls back to sleeping or slow polls (milliseconds).
+    assert timing["awaited_us"] < 5 * timing["blocking_us"]
 
 
 LAUNCHER_SCRIPT = """
