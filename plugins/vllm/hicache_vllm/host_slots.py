@@ -92,6 +92,8 @@ class HostSlots:
         `backup` token, and its slot is not handed out: returned as (page, slot, tenant) for
         that backup. Never waits: fewer slots than asked is the answer when none are free."""
         leaving: list[tuple[str, int, bytes]] = []
+        if len(self.free) >= n:     # the common case: no page leaves, and the index is not walked
+            return self._alloc(n), leaving
         victims = (s for s in list(self.slot_of.values())
                    if self.slots[s].state is State.HOLDING and not self.slots[s].readers)
         for slot in victims:
