@@ -10,7 +10,8 @@ from hicache_async.transfer.block_copies import BlockCopies
 from hicache_async.transfer.copier import Copier
 from tests.helpers.block_round_trips import BLOCKS, assert_round_trip, host_pool, movable_layouts
 from tests.helpers.layouts import LAYOUT
-from tests.helpers.page_patterns import LAYOUTS, PATTERNS, assert_round_trip
+from tests.helpers.page_patterns import LAYOUTS, PATTERNS
+from tests.helpers.page_patterns import assert_round_trip as assert_pages_round_trip
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,7 +46,7 @@ def test_copy_stream_waits_for_compute_that_produced_the_kv():
 @pytest.mark.parametrize("pattern", PATTERNS.values(), ids=PATTERNS.keys())
 def test_pages_land_exactly_in_both_directions_on_cuda(pattern, layout):
     """The kernels read and write the pinned host pool in place: every pattern, byte for byte."""
-    assert_round_trip(layout, *pattern, device="cuda")
+    assert_pages_round_trip(layout, *pattern, device="cuda")
 
 
 def test_host_pool_is_pinned_at_exactly_its_size_and_unpinned_on_close():

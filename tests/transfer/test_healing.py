@@ -6,7 +6,6 @@ recompute's backups, reads hit the whole prefix again, byte for byte. An object 
 another writer's (another secret, another tenant, a sealed one read without the secret, an
 object of another size without our header) is never removed, whatever the reader then backs
 up. Real file stores in temp dirs, through the page store."""
-import dataclasses
 import os
 
 import pytest

@@ -7,7 +7,6 @@ import threading
 import time
 from collections import Counter
 
-import pytest
 import torch
 from hicache_vllm.plan import Job, Move, StepPlan
 from hicache_vllm.settings import Settings
