@@ -12,7 +12,9 @@ import torch
 from .errors import PoolExhausted, UsageError
 from .layout import KVLayout
 
-_PIN_CHUNK = 1 << 30      # bytes page-locked per cudaHostRegister call
+PIN_CHUNK_BYTES = 1 << 30
+"""The most one cudaHostRegister call page-locks, rounded down to whole pages: a DMA whose host
+range spans two registrations is refused, so a page must never straddle one."""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -87,29 +89,41 @@ class HostPool:
 
     That is what storage objects and zero-copy batch calls want. `tensor[page, layer]` has
     shape `layout.layer_page_shape`. Pinned when CUDA is present, for async copies and for
-    the device's kernels to read and write in place; `close()` unpins it.
+    the device's kernels to read and write in place, a registration (`chunk_bytes`, whole
+    pages) at a time; `close()` unpins it.
     """
 
     tier = "host"
 
-    def __init__(self, layout: KVLayout, num_pages: int, tensor: torch.Tensor | None = None) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, tensor: torch.Tensor | None = None,
+                 chunk_bytes: int | None = None) -> None:
         """A pool of `num_pages` of its own, or over an engine's host buffer: `tensor`, a view
         shaped (pages, layers, *layout.layer_page_shape), strided where the engine's pages are
         not one run of bytes (then storage moves a page as its runs, or through staging where
         they are many and small). A whole-page object holds the page's bytes in our order, or
         in memory order where the store names this pool's `page_order`: a page_first page is a
-        K and a V run in memory, against a run a token and layer in ours."""
+        K and a V run in memory, against a run a token and layer in ours. `chunk_bytes`: the
+        most one registration pins (`PIN_CHUNK_BYTES` unless given), rounded down (to at least
+        one) to whole pages that are whole memory pages too; the chunks exist on CPU too, where
+        nothing is pinned, so DMA plans split alike."""
         self.layout = layout
         self.alloc = PageAllocator(num_pages, self.tier)
         shape = (num_pages, layout.num_layers, *layout.layer_page_shape)
+        unit = math.lcm(layout.page_bytes, mmap.PAGESIZE)
+        self.chunk_bytes = max(1, (chunk_bytes or PIN_CHUNK_BYTES) // unit) * unit
+        """Registrations start at the pool's first byte and every `chunk_bytes` after it, each
+        whole pages and whole pages of memory (two registrations sharing a memory page would
+        overlap); one chunk spans a pool over an engine's buffer, which is not pinned here."""
         self._unpin = None
         if tensor is None and torch.cuda.is_available():
-            tensor, self._unpin = _pinned_zeros(shape, layout.dtype)
+            tensor, self._unpin = _pinned_zeros(shape, layout.dtype, self.chunk_bytes)
         elif tensor is None:
             tensor = torch.zeros(shape, dtype=layout.dtype)
         elif tuple(tensor.shape) != shape or tensor.dtype != layout.dtype:
             raise UsageError(f"host buffer is {tuple(tensor.shape)} {tensor.dtype}, the layout needs {shape} "
                              f"{layout.dtype}")
+        else:
+            self.chunk_bytes = len(tensor_bytes(tensor)) or 1
         self.tensor = tensor
         self.runs = _merged(byte_runs(tensor[0]))
         """Where each page's bytes lie, in our order (layer by layer, each in `layout.axes`
@@ -178,10 +192,10 @@ def _order_digest(runs: list[tuple[int, int]]) -> str:
     return hashlib.sha256(repr(stretches).encode()).hexdigest()[:16]
 
 
-def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, weakref.finalize]:
-    """Zeroed host memory of exactly `shape`, page-locked a chunk at a time, and the call that
-    unlocks it (run at the latest when the tensor goes). torch's pinned allocator would round
-    the pool up to a power of two: a 33 GiB pool would lock 64. An anonymous mapping is
+def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype, chunk: int) -> tuple[torch.Tensor, weakref.finalize]:
+    """Zeroed host memory of exactly `shape`, page-locked `chunk` bytes at a time, and the call
+    that unlocks it (run at the latest when the tensor goes). torch's pinned allocator would
+    round the pool up to a power of two: a 33 GiB pool would lock 64. An anonymous mapping is
     page-aligned, so chunks never share a page, and zero until written."""
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, nbytes)
@@ -190,8 +204,8 @@ def _pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Ten
     unpin = weakref.finalize(tensor, _unregister, chunks, buffer)    # keeps the mapping until unlocked
     unpin.atexit = False        # the process's exit releases it; CUDA may be gone by then
     cudart = torch.cuda.cudart()
-    for at in range(0, nbytes, _PIN_CHUNK):
-        size = min(_PIN_CHUNK, nbytes - at)
+    for at in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - at)
         error = int(cudart.cudaHostRegister(tensor.data_ptr() + at, size, 3))     # portable | mapped
         if error:
             unpin()

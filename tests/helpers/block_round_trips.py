@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -13,6 +14,15 @@ from hicache_async.pools import HostPool
 from hicache_async.transfer.block_copies import BlockCopies
 
 Layers = Callable[[torch.Tensor], list[torch.Tensor]]      # the per-layer views over a byte buffer
+
+
+class Copies(Protocol):
+    """What a round trip drives: BlockCopies, or a test's executor of its DMA plan."""
+
+    def save(self, slots: list[int], blocks: list[int]): ...
+    def load(self, slots: list[int], blocks: list[int]): ...
+    def wait_loads(self) -> None: ...
+    def close(self) -> None: ...
 
 LAYERS, BLOCKS, TOKENS = 3, 12, 4
 # vLLM's KVCacheLayout members: the physical order of the logical [layer, block, head, token, content] axes.
@@ -60,12 +70,13 @@ def movable_layouts() -> dict[str, Blocks]:
     return cases | {f"{name}-packed-padded": Blocks(ORDERS[name], 2, 16, pad=3) for name in ("LBHNC", "BLHNC")}
 
 
-def host_pool(kv: list[torch.Tensor], slots: int) -> HostPool:
-    """A host pool of random bits whose pages hold one block of each layer of `kv`."""
+def host_pool(kv: list[torch.Tensor], slots: int, chunk_bytes: int | None = None) -> HostPool:
+    """A host pool of random bits whose pages hold one block of each layer of `kv`, registered
+    (on CUDA) `chunk_bytes` at a time."""
     _, heads, tokens, content = kv[0].shape
     layout = KVLayout(num_layers=len(kv), kv_heads=heads, head_dim=content, page_size=tokens, dtype=kv[0].dtype,
                       axes=("head", "token", "dim"))
-    host = HostPool(layout, slots)
+    host = HostPool(layout, slots, chunk_bytes=chunk_bytes)
     host.tensor.view(torch.uint8).copy_(random_bytes(host.tensor.numel() * host.tensor.element_size(), seed=2)
                                         .view(host.tensor.view(torch.uint8).shape))
     return host
@@ -81,12 +92,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_round_trip(raw: torch.Tensor, layers: Layers, slots: list[int], blocks: list[int],
-                      targets: list[int]) -> None:
-    """Save `blocks` to `slots`, then load the slots into `targets`: every byte of the host pool
-    and of `raw` (other blocks and padding included) must be what plain per-block copies give."""
+                      targets: list[int], copies_of: Callable[[list[torch.Tensor], HostPool], Copies] = BlockCopies,
+                      chunk_bytes: int | None = None) -> None:
+    """Save `blocks` to `slots`, then load the slots into `targets`, through `copies_of(kv, host)`
+    over a host pool registered `chunk_bytes` at a time: every byte of the host pool and of `raw`
+    (other blocks and padding included) must be what plain per-block copies give."""
     kv = layers(raw)
-    host = host_pool(kv, 2 * kv[0].shape[0])
-    copies = BlockCopies(kv, host)
+    host = host_pool(kv, 2 * kv[0].shape[0], chunk_bytes)
+    copies = copies_of(kv, host)
+    try:
+        _round_trip(raw, layers, kv, host, copies, slots, blocks, targets)
+    finally:
+        copies.close()
+        host.close()
+
+
+def _round_trip(raw: torch.Tensor, layers: Layers, kv: list[torch.Tensor], host: HostPool, copies: Copies,
+                slots: list[int], blocks: list[int], targets: list[int]) -> None:
     expected = host.tensor.clone()
     for s, b in zip(slots, blocks):
         for layer, t in enumerate(kv):
@@ -103,4 +125,4 @@ def assert_round_trip(raw: torch.Tensor, layers: Layers, slots: list[int], block
     copies.wait_loads()
     if raw.is_cuda:
         torch.cuda.synchronize()
-    assert loaded.query() and torch.equal(raw, reference)
+    assert loaded.query() and loaded.error is None and torch.equal(raw, reference)

@@ -101,3 +101,16 @@ def test_a_steps_copy_calls_do_not_grow_with_its_block_count():
     # per layer and direction one gather and one scatter through the stage
     assert few["aten.index_select.out"] == few["aten.index_copy_.default"] == 2 * LAYERS
     assert sum(few.values()) <= 4 * LAYERS + 8     # and per op its indices and its stage
+
+
+def test_close_copies_the_layers_a_cpu_load_was_never_asked_for_and_a_fence_has_nothing_to_wait_for():
+    blocks = Blocks(ORDERS["LBHNC"], *CONTENTS["packed"])
+    kv, host = blocks.layers(), blocks.host()
+    copies = BlockCopies(kv, host)
+    done = copies.load([4, 1], [0, 9])
+    copies.wait_layer(0)
+    copies.fence_saves(0)           # a CPU save copies before it returns
+    copies.close()
+    copies.close()                  # once
+    assert done.query() and all(torch.equal(bits(kv[layer][[0, 9]]), bits(host.tensor[[4, 1], layer]))
+                                for layer in range(LAYERS))

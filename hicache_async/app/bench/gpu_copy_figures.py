@@ -1,14 +1,22 @@
 """GPU copy figures: a step's scattered KV blocks to and from the pinned host pool, through
-BlockCopies (the vLLM connector's copy engine) and through the core Copier, beside a pinned
-contiguous copy of the same bytes measured in the same run.
+BlockCopies (the vLLM connector's copy engine, DMA on the copy engines) and through the core
+Copier (index kernels), beside a pinned contiguous copy of the same bytes measured in the same
+run.
 
 The shape is Llama-3-8B's: 32 layers, 8 KV heads, head 128, 16-token blocks, bf16, K and V
 (64 KiB a block and layer, 2 MiB a block). Every figure is the best of a few repetitions, and
-every byte moved is checked once they are done. Besides throughput: the CPU time to issue one
-step's loads, beside issuing them as one `copy_` per block and layer (what the connector did
-before), and the time `save()` takes to return (a thread of its own queues the copies),
-beside the time until they are done.
-CUDA only; torch and this package alone, so it runs on a bare GPU machine.
+every byte moved is checked once they are done. Besides throughput:
+- the CPU time to issue one step's loads, beside issuing them as one `copy_` per block and
+  layer (what the connector did before), and the time `save()` takes to return, beside the
+  time until its copies are done;
+- the same calls with a save queued just before (the caller's thread must not wait for it),
+  beside them alone;
+- interference: a loop of bf16 matmuls timed by CUDA events on the compute stream beside a
+  load or a save of 512 blocks issued just before it, beside the loop alone (copies on the
+  SMs slow it, copies on the copy engines should not);
+- a load and a save of 512 blocks issued together: both directions' bytes over the time both
+  take, beside one direction's pinned contiguous rate (each direction has its copy engine).
+CUDA only; torch, cuda-bindings and this package alone, so it runs on a bare GPU machine.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from .figure import figure
 LAYERS, HEADS, TOKENS, HEAD_DIM, DTYPE = 32, 8, 16, 128, torch.bfloat16
 COUNTS = (64, 512)
 POOL = 2 * max(COUNTS)      # blocks and host pages to scatter a step's among
+MATMUL, MATMULS = 8192, 40  # the compute the copies run beside: 40 bf16 matmuls of 8192 x 8192
 
 
 def gpu_copy_figures(quick: bool) -> list[dict]:
@@ -38,7 +47,10 @@ def gpu_copy_figures(quick: bool) -> list[dict]:
     reps = 3 if quick else 10
     block_side, copier_side = _BlockSide(), _CopierSide()
     try:
-        return [f for count in COUNTS for f in _figures(block_side, copier_side, count, reps)]
+        figures = [f for count in COUNTS for f in _figures(block_side, copier_side, count, reps)]
+        steps = _Steps(max(COUNTS))
+        return figures + _caller_cpu(block_side, steps, reps) + _beside_compute(block_side, steps) \
+            + _both_ways(block_side, steps, reps)
     finally:
         block_side.close()
         copier_side.close()
@@ -52,7 +64,7 @@ def _figures(blocks: _BlockSide, copier: _CopierSide, count: int, reps: int) -> 
     d2h, h2d = _pinned_contiguous(nbytes, reps)
     save_done, save_return = _best(reps, lambda: blocks.save(slots, moved))
     load_done, load_issue = _best(reps, lambda: blocks.load(slots, targets))
-    blocks.check(slots, moved, targets)
+    blocks.check(("save", slots, moved), ("load", slots, targets))
     write_done, _ = _best(reps, lambda: copier.write(moved, slots))
     copier_load_done, _ = _best(reps, lambda: copier.load(slots, targets))
     copier.check(slots, moved, targets)
@@ -69,6 +81,94 @@ def _figures(blocks: _BlockSide, copier: _CopierSide, count: int, reps: int) -> 
     ]
 
 
+class _Steps:
+    """Disjoint slots and blocks for a save and a load under way together: the scheduler never
+    loads a slot a save is writing, nor a block one is reading."""
+
+    def __init__(self, count: int) -> None:
+        rng = random.Random(-count)
+        slots, blocks = rng.sample(range(POOL), 2 * count), rng.sample(range(POOL), 2 * count)
+        self.save = (slots[:count], blocks[:count])
+        self.load = (slots[count:], blocks[count:])
+        self.nbytes = count * LAYERS * _BlockSide.layer_block_bytes
+
+
+def _caller_cpu(blocks: _BlockSide, steps: _Steps, reps: int) -> list[dict]:
+    """Seconds on the caller's thread (wall time: a wait for the GIL counts) for `load()` and
+    `save()` with a save queued just before, beside each alone."""
+    def timed(call, queued: bool) -> float:
+        torch.cuda.synchronize()
+        before = blocks.copies.save(*steps.save) if queued else None
+        start = time.perf_counter()
+        done = call()
+        spent = time.perf_counter() - start
+        blocks.copies.wait_loads()
+        for event in (before, done):
+            _settle(event)
+        return spent
+    count = len(steps.save[0])
+    figures = []
+    for name, call in (("load", lambda: blocks.copies.load(*steps.load)),
+                       ("save", lambda: blocks.copies.save(*steps.save))):
+        alone = min(timed(call, queued=False) for _ in range(reps))
+        queued = min(timed(call, queued=True) for _ in range(reps))
+        figures.append(figure(f"gpu_block_{name}_cpu_ms_after_a_save_{count}", 1e3 * queued, "ms",
+                              f"{name}_cpu_ms_alone", 1e3 * alone))
+    return figures
+
+
+def _beside_compute(blocks: _BlockSide, steps: _Steps) -> list[dict]:
+    """The matmul loop's milliseconds (CUDA events on the compute stream, best of 3) beside a
+    load and beside a save issued just before it, each beside the loop alone."""
+    a, b = (torch.randn(MATMUL, MATMUL, dtype=DTYPE, device="cuda") for _ in range(2))
+    out = torch.empty_like(a)
+
+    def loop(issue=None) -> float:
+        torch.cuda.synchronize()
+        done = issue() if issue is not None else None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(MATMULS):
+            torch.matmul(a, b, out=out)
+        end.record()
+        end.synchronize()
+        blocks.copies.wait_loads()
+        _settle(done)
+        return start.elapsed_time(end)
+    loop()      # cuBLAS's first call
+    alone = min(loop() for _ in range(3))
+    load = min(loop(lambda: blocks.copies.load(*steps.load)) for _ in range(3))
+    save = min(loop(lambda: blocks.copies.save(*steps.save)) for _ in range(3))
+    count = len(steps.save[0])
+    return [figure(f"gpu_matmuls_beside_a_load_ms_{count}", load, "ms", "matmuls_alone_ms", alone),
+            figure(f"gpu_matmuls_beside_a_save_ms_{count}", save, "ms", "matmuls_alone_ms", alone)]
+
+
+def _both_ways(blocks: _BlockSide, steps: _Steps, reps: int) -> list[dict]:
+    """A load and a save issued together: their bytes over the time both take, beside the
+    faster direction's pinned contiguous rate."""
+    d2h, h2d = _pinned_contiguous(steps.nbytes, reps)
+
+    def both() -> CompletionEvent:
+        saved = blocks.copies.save(*steps.save)
+        blocks.copies.load(*steps.load)
+        blocks.copies.wait_loads()
+        return saved
+    done, _ = _best(reps, both)
+    blocks.check(("save", *steps.save), ("load", *steps.load))
+    count = len(steps.save[0])
+    return [figure(f"gpu_block_load_and_save_gbps_{count}", 2 * steps.nbytes / done / 1e9, "GB/s",
+                   "pinned_one_way_gbps", steps.nbytes / min(d2h, h2d) / 1e9)]
+
+
+def _settle(done: CompletionEvent | None) -> None:
+    """Waits for `done` (its thread included); a failed copy fails the bench."""
+    while done is not None and not done.query():
+        time.sleep(0)       # lets the issuing thread run
+    if done is not None and done.error is not None:
+        raise HiCacheError(f"gpu-copies: {done.error}")
+
+
 def _best(reps: int, issue: Callable[[], CompletionEvent | None]) -> tuple[float, float]:
     """The best of `reps` runs, each starting on an idle device: (seconds until the copies are
     done, seconds until `issue` returned). An event `issue` returns is waited on before the
@@ -79,10 +179,7 @@ def _best(reps: int, issue: Callable[[], CompletionEvent | None]) -> tuple[float
         start = time.perf_counter()
         done = issue()
         issued = time.perf_counter() - start
-        while done is not None and not done.query():
-            time.sleep(0)       # lets the issuing thread run
-        if done is not None and done.error is not None:
-            raise HiCacheError(f"gpu-copies: {done.error}")
+        _settle(done)
         torch.cuda.synchronize()
         runs.append((time.perf_counter() - start, issued))
     return min(done for done, _ in runs), min(issued for _, issued in runs)
@@ -103,13 +200,14 @@ def _pinned_contiguous(nbytes: int, reps: int) -> tuple[float, float]:
 class _BlockSide:
     """vLLM-shaped blocks (per layer [blocks, heads, tokens, K|V]) and a host pool of the same pages."""
 
+    layout = KVLayout(num_layers=LAYERS, kv_heads=HEADS, head_dim=2 * HEAD_DIM, page_size=TOKENS, dtype=DTYPE,
+                      axes=("head", "token", "dim"))
+    layer_block_bytes = layout.layer_page_bytes
+
     def __init__(self) -> None:
-        layout = KVLayout(num_layers=LAYERS, kv_heads=HEADS, head_dim=2 * HEAD_DIM, page_size=TOKENS, dtype=DTYPE,
-                          axes=("head", "token", "dim"))
-        self.layer_block_bytes = layout.layer_page_bytes
         self.kv = list(torch.randn((LAYERS, POOL, HEADS, TOKENS, 2 * HEAD_DIM), dtype=DTYPE, device="cuda").unbind(0))
-        self.host = HostPool(layout, POOL)
-        self.host.tensor.copy_(torch.randn(self.host.tensor.shape, dtype=DTYPE, device="cuda"))   # unlike every block
+        self.host = HostPool(self.layout, POOL)
+        _random_pages(self.host)        # unlike every block
         self.copies = BlockCopies(self.kv, self.host)
 
     def save(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
@@ -119,11 +217,11 @@ class _BlockSide:
         self.copies.load(slots, blocks)
         self.copies.wait_loads()
 
-    def check(self, slots: list[int], moved: list[int], targets: list[int]) -> None:
-        """The saved blocks are in their slots and the loaded slots in their blocks, every layer."""
-        pages = self.host.tensor[slots].to("cuda")
-        for layer, kv in enumerate(self.kv):
-            for blocks, name in ((moved, "save"), (targets, "load")):
+    def check(self, *moves: tuple[str, list[int], list[int]]) -> None:
+        """Each (name, slots, blocks) moved: the slots hold the blocks' bytes, every layer."""
+        for name, slots, blocks in moves:
+            pages = self.host.tensor[slots].to("cuda")
+            for layer, kv in enumerate(self.kv):
                 if not torch.equal(_bits(pages[:, layer]), _bits(kv[blocks])):
                     raise HiCacheError(f"gpu-copies: BlockCopies {name} of {len(slots)} blocks moved wrong bytes "
                                        f"in layer {layer}")
@@ -142,6 +240,7 @@ class _BlockSide:
         return issued
 
     def close(self) -> None:
+        self.copies.close()
         self.host.close()
 
 
@@ -153,7 +252,7 @@ class _CopierSide:
         self.device = DevicePool(layout, POOL, device="cuda")
         self.device.tensor.normal_()
         self.host = HostPool(layout, POOL)
-        self.host.tensor.copy_(torch.randn(self.host.tensor.shape, dtype=DTYPE, device="cuda"))
+        _random_pages(self.host)
         self.copier = Copier(self.device, self.host)
 
     def write(self, device_pages: list[int], host_pages: list[int]) -> None:
@@ -171,6 +270,14 @@ class _CopierSide:
     def close(self) -> None:
         self.copier.close()
         self.host.close()
+
+
+def _random_pages(host: HostPool) -> None:
+    """Random bits a registration at a time: one copy spanning two is refused."""
+    pages = host.chunk_bytes // host.layout.page_bytes
+    for first in range(0, host.tensor.shape[0], pages):
+        chunk = host.tensor[first:first + pages]
+        chunk.copy_(torch.randn(chunk.shape, dtype=chunk.dtype, device="cuda"))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,15 @@ vLLM owns the device KV and decides in one scheduler, so the split is vLLM's own
 scheduler instance keeps the index of the host tier and decides (`scheduler.py`); each worker
 instance holds its rank's host pool and moves its bytes (`worker.py`). Everything under them
 is the product's core: host pool, page store with verified objects, storage adapters, sealing,
-guarded calls and spans.
+guarded calls and spans. vLLM's own types and calls stay in this module.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache_async.storage.sealed import load_key
@@ -21,10 +22,16 @@ from . import settings as config
 from .kv_layout import ordered_layers, version_family, worker_layout
 from .load_failures import recompute_load_failures
 from .model_identity import model_identity, refuse_unkeyable
+from .plan import JobReports, StepPlan
 from .prom import HiCachePromMetrics
 from .scheduler import SchedulerSide
 from .stats import Deltas, HiCacheStats
 from .worker import WorkerSide
+
+# vLLM's types, given at its edge: it passes a plan through to the workers and aggregates their
+# reports; the scheduler and worker sides never import vLLM (a GPU machine may have none)
+KVConnectorMetadata.register(StepPlan)
+KVConnectorWorkerMetadata.register(JobReports)
 
 
 class HiCacheConnector(KVConnectorBase_V1):

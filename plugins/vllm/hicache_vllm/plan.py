@@ -6,32 +6,43 @@ worker finishes later comes back as a report: a plan's copies (its loads and sav
 GPU land on events steps later) by the plan's number, an L3 job (a prefetch, a backup) by the
 job's. vLLM sums the workers' reports; a plan or job is done once every worker has reported it,
 a job with the fewest pages any of them verified. Only then does a slot change state
-(`host_slots.py`).
+(`host_slots.py`). Plain dataclasses: the connector names them as vLLM's types at its edge, so
+the scheduler and worker sides run without vLLM (on a GPU machine that has none).
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-
 
 @dataclass
 class Move:
     """Pages between vLLM blocks and host slots (a load, or a save), in page order; `pages`
-    names what each slot holds, so a worker can refuse a load from a slot that holds another."""
+    names what each slot holds, so a worker can refuse a load from a slot that holds another.
+    A save's `table` is its request's blocks up to its last saved page, given only when the
+    plan loads one of them: a page's KV is computed over every block before it, so a load that
+    fails there spoils the saves from that block on."""
 
     req_id: str
     slots: list[int]
     blocks: list[int]
     pages: list[str]
     tenant: bytes = b""
+    table: list[int] = field(default_factory=list)
 
     def keeping(self, keep: list[bool]) -> "Move":
         """The move of only the pages `keep` marks."""
         kept = [p for p, k in zip(zip(self.slots, self.blocks, self.pages), keep) if k]
         slots, blocks, pages = (list(column) for column in zip(*kept)) if kept else ([], [], [])
-        return Move(self.req_id, slots, blocks, pages, self.tenant)
+        return Move(self.req_id, slots, blocks, pages, self.tenant, self.table)
+
+    def before(self, bad: set[int]) -> "Move":
+        """The save without its pages at or after the first of `bad` blocks in its table."""
+        first = next((i for i, b in enumerate(self.table) if b in bad), None)
+        if first is None:
+            return self
+        position = {b: i for i, b in enumerate(self.table)}
+        return self.keeping([position[b] < first for b in self.blocks])
 
 
 @dataclass
@@ -48,7 +59,7 @@ class Job:
 
 
 @dataclass
-class StepPlan(KVConnectorMetadata):
+class StepPlan:
     """In the order a worker carries it out."""
 
     step: int = 0
@@ -67,13 +78,14 @@ class StepPlan(KVConnectorMetadata):
 
 
 @dataclass
-class JobReports(KVConnectorWorkerMetadata):
+class JobReports:
     """Per finished job: (workers that reported it, fewest pages verified or stored); per plan
     whose copies (loads and saves) landed: workers that reported it; and, per host slot, how
     many workers' abandoned reads may still write into it (`held`), or have since returned
     (`released`): the slot is free for reuse only when every hold is released; and pages
     whose objects a worker's store evicted (`evicted`): one worker's is enough, the page can
-    no longer be read whole."""
+    no longer be read whole; and per plan, workers on which some of its saves failed or were
+    dropped (`failed`): the plan's saved pages then hold on no worker's word."""
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
     copied: Counter = field(default_factory=Counter)
@@ -81,11 +93,13 @@ class JobReports(KVConnectorWorkerMetadata):
     released: Counter = field(default_factory=Counter)
     synchronous: int = 0        # workers whose copies land before their step ends (CPU), said once
     evicted: set[str] = field(default_factory=set)
+    failed: Counter = field(default_factory=Counter)
 
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "JobReports":
+    def aggregate(self, other: "JobReports") -> "JobReports":
         merged = dict(self.done)
         for job, (reports, pages) in other.done.items():
             seen, least = merged.get(job, (0, pages))
             merged[job] = (seen + reports, min(least, pages))
         return JobReports(merged, self.copied + other.copied, self.held + other.held, self.released + other.released,
-                          self.synchronous + other.synchronous, self.evicted | other.evicted)
+                          self.synchronous + other.synchronous, self.evicted | other.evicted,
+                          self.failed + other.failed)

@@ -14,7 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 # L3 calls run from well under a millisecond (memory, a page cache hit) to the storage deadline
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PAGES = {"host_saved_pages": "saved", "host_loaded_pages": "loaded", "l3_stored_pages": "backed_up",
-         "l3_read_pages": "read", "l3_looked_pages": "looked_up", "l3_prefetched_pages": "prefetched"}
+         "l3_read_pages": "read", "l3_looked_pages": "looked_up", "l3_prefetched_pages": "prefetched",
+         "failed_saves": "dropped"}
 REJECTED = {"l3_corrupt_objects": "corrupt", "l3_forged_objects": "forged", "l3_missing_objects": "missing"}
 BYTES = {"l3_bytes_written": "write", "l3_bytes_read": "read"}
 LATENCY = {"l3_read_seconds": "read", "l3_write_seconds": "write"}
@@ -32,8 +33,10 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
         self.pages = self._counter_cls(
             name="vllm:hicache_pages", labelnames=[*names, "op"],
             documentation="Pages moved, summed over workers: saved (device to host), loaded (host to "
-                          "device), backed_up (host to L3), read (L3 to host, verified); and, once for all "
-                          "workers, looked_up (looked for in L3) and prefetched (from L3 into the host tier).")
+                          "device), backed_up (host to L3), read (L3 to host, verified), dropped (a save "
+                          "whose copy failed or that was computed over a failed load: its slot freed); and, "
+                          "once for all workers, looked_up (looked for in L3) and prefetched (from L3 into "
+                          "the host tier).")
         self.bytes = self._counter_cls(
             name="vllm:hicache_l3_bytes", labelnames=[*names, "direction"],
             documentation="Bytes written to and read from L3, summed over workers.")

@@ -20,7 +20,6 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from hicache_async.fingerprint import adapter_fingerprint, local_checkpoint
 from hicache_async.keys import page_hashes
@@ -87,7 +86,12 @@ class RequestKeys:
         """Page `page`'s bytes beyond its token ids, as vLLM's own block hash names them: its
         multimodal items (content hash, offset) and its prompt embeddings' digest, which vLLM
         has cached on the request while hashing its blocks. Its LoRA and salt keys are left
-        out: the chain's start names those (the adapter by its bytes)."""
+        out: the chain's start names those (the adapter by its bytes). A request with neither
+        has nothing more, and needs no vLLM (the scheduler side runs without it)."""
+        if not request.mm_features and request.prompt_embeds is None:
+            return b""
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
         first = page * self.page_size
         keys, _ = generate_block_hash_extra_keys(request, first, first + self.page_size, 0)
         ours = [k for k in keys or () if k[0] not in CHAIN_KEYS]

@@ -48,6 +48,7 @@ class RequestPages:
     saved: int = 0                       # leading pages already in the host tier or planned
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
+    fenced: int = 0                      # preemptions while its saves were in flight (each worker fenced them)
 
 
 @dataclass
@@ -159,32 +160,35 @@ class SchedulerSide:
                                    st.hashes[first:first + len(slots)]))
             copies.loads.append(token)
             st.load = None
+        loaded = {block for move in plan.loads for block in move.blocks}
         for req_id, n in scheduled.items():
             st = self.requests.get(req_id)
             if st is not None:
-                self._save(plan, copies, st, st.request.num_computed_tokens + n, block_ids)
+                self._save(plan, copies, st, st.request.num_computed_tokens + n, block_ids, loaded)
         if plan.copies:
             self.copying[plan.step] = copies
         plan.keep, self.keep = self.keep, []
         plan.preempted = list(preempted)
+        for st in filter(None, map(self.requests.get, plan.preempted)):
+            st.fenced += self._saving(st)
         plan.idle = not scheduled
         return plan
 
     def finished(self, request) -> tuple[bool, dict]:
         """Whether vLLM must keep the request's blocks until the workers say its saves landed
         (`get_finished`: never where every worker's copies land within their step, as on a
-        CPU), and what its `kv_transfer_params` say of where its prefix came from."""
+        CPU), and what its `kv_transfer_params` say of where its prefix came from and of the
+        preemptions that took its blocks while its saves were in flight."""
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return False, {}
         if self.loading.pop(request.request_id, None) is not None or st.load is not None:
             self._unload(st)
-        saving = self.synchronous < self.workers and any(
-            s is st for copies in self.copying.values() for s, _, _ in copies.saves)
+        saving = self.synchronous < self.workers and self._saving(st)
         if saving:
             self.keep.append(request.request_id)
         return saving, {"hicache": {"host_tokens": st.from_host - st.from_l3, "l3_tokens": st.from_l3,
-                                    "model": self.model_id}}
+                                    "model": self.model_id, "fenced_preemptions": st.fenced}}
 
     def reported(self, reports: JobReports | None) -> None:
         """Fold the workers' reports in; a plan or job every worker reported is done. Pages a
@@ -197,10 +201,10 @@ class SchedulerSide:
         for slot, n in reports.released.items():
             self.slots.late(slot, -n)
         self.synchronous += reports.synchronous
-        self.reports = self.reports.aggregate(JobReports(reports.done, reports.copied))
+        self.reports = self.reports.aggregate(JobReports(reports.done, reports.copied, failed=reports.failed))
         for step in [s for s, seen in self.reports.copied.items() if seen >= self.workers]:
             del self.reports.copied[step]
-            self._copied(step)
+            self._copied(step, failed=bool(self.reports.failed.pop(step, 0)))
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
         for page in reports.evicted:
@@ -276,8 +280,11 @@ class SchedulerSide:
         self.slots.read(job.job, slots, after_fill=job.after_save)
         self.backing_up.update(todo)
 
-    def _save(self, plan: StepPlan, copies: PlanCopies, st: RequestPages, computed: int, block_ids) -> None:
-        """Host slots for the request's pages that this step completes, not yet in the tier."""
+    def _save(self, plan: StepPlan, copies: PlanCopies, st: RequestPages, computed: int, block_ids,
+              loaded: set[int]) -> None:
+        """Host slots for the request's pages that this step completes, not yet in the tier;
+        with its block table up to them where this plan loads one of those blocks (a worker
+        drops the saves a failed load spoils)."""
         if not self._extend(st):
             return
         full = min(computed // self.page_size, len(st.hashes))
@@ -292,7 +299,9 @@ class SchedulerSide:
         blocks = block_ids(st.request.request_id)
         pages = [st.hashes[p] for p in todo]
         tenant = tenant_digest(st.request.cache_salt)
-        plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo], pages, tenant))
+        table = blocks[:todo[-1] + 1] if loaded else []
+        plan.saves.append(Move(st.request.request_id, slots, [blocks[p] for p in todo], pages, tenant,
+                               table if not loaded.isdisjoint(table) else []))
         for h, slot in zip(pages, slots):
             self.slots.fill(slot, h, tenant, ("save", plan.step), indexed=True)
         copies.saves.append((st, todo, slots))
@@ -302,15 +311,20 @@ class SchedulerSide:
             self._backup(plan, [h for h, _ in worthy], tenant, [st.request.request_id],
                          after_save=[s for _, s in worthy])
 
-    def _copied(self, step: int) -> None:
+    def _copied(self, step: int, failed: bool) -> None:
         """Every worker's copies of plan `step` landed: its loads' slots are free to go, its
-        saved pages are in the tier (and announced)."""
+        saved pages are in the tier (and announced), unless some worker dropped some of its
+        saves (`failed`): then none holds on every worker's word, and their slots are freed."""
         copies = self.copying.pop(step)
         for token in copies.loads:
             self.slots.done(token)
         for st, todo, slots in copies.saves:
-            held = set(self.slots.filled(("save", step), slots))
+            held = set(self.slots.filled(("save", step), slots, verified=0 if failed else None))
             self.events.stored(st.request, [p for p in todo if st.hashes[p] in held], st.hashes, "CPU")
+
+    def _saving(self, st: RequestPages) -> bool:
+        """Whether some of the request's saves have not landed on every worker yet."""
+        return any(s is st for copies in self.copying.values() for s, _, _ in copies.saves)
 
     def _worth_backing_up(self, page: str) -> bool:
         policy = self.settings.write_policy

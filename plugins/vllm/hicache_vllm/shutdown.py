@@ -21,8 +21,6 @@ import threading
 from concurrent.futures import Future, wait
 
 import structlog
-import vllm.envs as envs
-from vllm.config import get_current_vllm_config_or_none
 
 log = structlog.get_logger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -33,13 +31,23 @@ def on_signals(flush_timeout: float) -> None:
     it, and one warning if vLLM would kill this worker before a flush could end."""
     if _main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit)
-    cfg = get_current_vllm_config_or_none()
-    windows = {"--shutdown-timeout": cfg.shutdown_timeout if cfg is not None else None,
-               "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS}
-    short = [f"{name} is {s}" for name, s in windows.items() if s is not None and s < flush_timeout]
+    short = [f"{name} is {s}" for name, s in _vllm_windows().items() if s is not None and s < flush_timeout]
     if short:
         log.warning(f"hicache: vLLM may kill this worker before its backups reach L3: {' and '.join(short)} "
                     f"(seconds), under flush_timeout {flush_timeout:g}; raise them for a graceful drain")
+
+
+def _vllm_windows() -> dict[str, float | None]:
+    """vLLM's two shutdown windows, in seconds; none where no vLLM is installed (a worker side
+    driven by a test on a machine without it)."""
+    try:
+        import vllm.envs as envs
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return {}
+    cfg = get_current_vllm_config_or_none()
+    return {"--shutdown-timeout": cfg.shutdown_timeout if cfg is not None else None,
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS}
 
 
 def flush(running: dict[Future, int], timeout: float) -> int:

@@ -14,19 +14,22 @@ withdrawn (`BlockRemoved`) when it leaves. Only what later events need is kept:
   (the scheduler's memory of L3), the oldest forgotten.
 A page no event of ours can name with its tokens (read from an L3 that another process
 wrote, for a request gone since) is not announced: a router would drop the event anyway.
+Only a request with vLLM's block hashes (one from vLLM) is announced, so vLLM is imported
+where an event is made: the scheduler side runs without it (a test's requests have none).
 """
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
-from vllm.v1.request import Request
+from typing import TYPE_CHECKING
 
 from .settings import DEFAULT_HOST_PAGES
 
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+
+MEDIUM_CPU, MEDIUM_STORAGE = "CPU", "STORAGE"      # vLLM's names of the host tier's and L3's medium
 L3_PAGES = 1 << 20      # pages announced in L3 remembered, at most: the scheduler's KNOWN_PAGES
 
 
@@ -81,6 +84,8 @@ class TierEvents:
             elif medium == MEDIUM_STORAGE and h in self._l3:
                 gone.append(self._l3.pop(h))
         if gone:
+            from vllm.distributed.kv_events import BlockRemoved
+
             self.pending.append(BlockRemoved(block_hashes=gone, medium=medium))
 
     def take(self) -> list[KVCacheEvent]:
@@ -89,6 +94,10 @@ class TierEvents:
 
     def _announce(self, pages: list[tuple[str, Block]], medium: str) -> None:
         """A `BlockStored` for each of `pages` not yet announced in `medium`."""
+        if not pages:
+            return
+        from vllm.distributed.kv_events import BlockStored
+
         for h, block in pages:
             if medium == MEDIUM_CPU:
                 if h in self._host:
@@ -110,6 +119,8 @@ class TierEvents:
 
 def _block(request, page: int, page_size: int) -> Block:
     """Page `page` of a vLLM request, as its GPU events would name the block."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
     hashes, start = request.block_hashes, page * page_size
     lora = getattr(request, "lora_request", None)
     return Block(hash=maybe_convert_block_hash(hashes[page]),
@@ -124,6 +135,9 @@ def _block(request, page: int, page_size: int) -> Block:
 def _extra_keys(request, start: int, end: int) -> tuple | None:
     """vLLM's own extra keys of a block (LoRA, multimodal items, cache salt, prompt embeddings),
     untagged as its events carry them; a stand-in for vLLM's Request (a test's) has none."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    from vllm.v1.request import Request
+
     if not isinstance(request, Request):
         return None
     keys, _ = generate_block_hash_extra_keys(request, start, end, 0)

@@ -5,8 +5,14 @@ Copies between vLLM's blocks and the host pool go through the core's copy engine
 layer by layer beside the forward pass; saves are issued after it and never waited for: each
 plan's copies are reported landed once their events are (`reports`), and only then does the
 scheduler let a backup read a saved slot or reuse a loaded one. A finished request's blocks
-stay with vLLM until its saves landed (`finished_sending`); a preempted one's saves land
-before its blocks are reused (`preempted`).
+stay with vLLM until its saves landed (`finished_sending`); a preempted one's saves are issued,
+and ordered before any kernel that may reuse its blocks, before its blocks are reused
+(`preempted`).
+
+A copy that fails is never taken for KV: a save whose event carries an error, or whose page
+was computed over a block that a load of its step refused or failed to fill, is dropped here
+and reported `failed`, and the scheduler frees its slot on every worker (no announcement, no
+backup); a failed load's blocks are load errors, which vLLM recomputes.
 
 L3 work runs in the background on an anyio event loop of the worker's own (a blocking portal),
 its storage calls on worker threads under one capacity limiter per kind; each finished job is
@@ -20,16 +26,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.from_thread
 import structlog
 
 from hicache_async.errors import StorageError
+from hicache_async.events import CompletionEvent
 from hicache_async.kinds import TransferKind
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
@@ -42,10 +51,24 @@ from hicache_async.transfer.l3_session import l3_session
 from . import shutdown
 from .plan import Job, JobReports, Move, StepPlan
 from .settings import Settings
-from .stats import OBSERVED
+from .observed import OBSERVED
 
 log = structlog.get_logger(__name__)
 IDLE_WAIT_S = 0.05  # longest an engine step with no forward pass waits for a prefetch
+FENCE_TIMEOUT_S = 60.0  # longest a preemption waits for its saves to be issued: then the engine stops
+
+
+@dataclass
+class PlanCopies:
+    """A plan's copies on this worker, until they land."""
+
+    step: int
+    load: CompletionEvent | None
+    save: CompletionEvent | None
+    loaded: list[int]                                   # blocks its loads fill
+    saved: set[int]                                     # slots its saves fill
+    saves: Counter = field(default_factory=Counter)     # saves a request
+    chained: list[Job] = field(default_factory=list)    # backups that follow its saves
 
 
 class WorkerSide:
@@ -62,22 +85,27 @@ class WorkerSide:
         self._lock = threading.Lock()
         self.pages: dict[int, tuple[str, bytes]] = {}    # slot -> (page, tenant) it holds or is filled with
         self.in_l3: set[str] = set()                     # pages this worker stored or read (for the flush)
-        self._reading: Counter[int] = Counter()          # slots its unfinished backups read
-        self._landing: list[tuple[int, list, Counter]] = []   # (plan, events, saves a request) not yet landed
+        self._reading: Counter[int] = Counter()          # slots its unfinished backups read (no zeros)
+        self._landing: list[PlanCopies] = []             # in plan order
+        self._step = 0                                   # the latest plan seen (late_copies lands only older ones)
         self._saving: Counter[str] = Counter()           # per request: plans whose saves have not landed
         self._keep: set[str] = set()                     # finished requests whose blocks vLLM keeps for us
-        self._load_errors: set[int] = set()              # vLLM blocks a load could not fill
+        self._load_errors: set[int] = set()              # vLLM blocks a load could not fill, to report
+        self._bad: set[int] = set()                      # ...and those of this step's loads, for its saves
+        self._loaded: list[int] = []                     # blocks this step's loads fill
         self._held: Counter[int] = Counter()             # slots late reads may write: to report...
         self._released: Counter[int] = Counter()         # ...and those whose late reads returned
         self._finished: dict[int, int] = {}              # job -> pages, not yet reported
         self._copied: Counter[int] = Counter()           # plans whose copies landed, not yet reported
-        self._synchronous = int(not self.copies.cuda)     # said in the first report: copies land in-step
+        self._failed: Counter[int] = Counter()           # ...of those, plans some of whose saves were dropped
+        self._synchronous = int(not self.copies.cuda and not settings.late_copies)   # said in the first report
         self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
         self._prefetching: set[Future] = set()
         self._load_span = None
         self._load_event = None                          # this step's loads, landed on it
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
-                       "slot_violations": 0}
+                       "slot_violations": 0, "failed_saves": 0, "fenced_preemptions": 0}
+        self._closed = False
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
         if self.copies.cuda:
             log.info("hicache: vLLM captures piecewise CUDA graphs: layer-by-layer loads wait beside attention, "
@@ -103,10 +131,11 @@ class WorkerSide:
     def start(self, plan: StepPlan) -> None:
         """Before the forward pass: this step's loads start (on a GPU; on a CPU each layer is
         copied when its attention asks)."""
+        self._step = plan.step
         loads = [self._loadable(move) for move in plan.loads]
         self._load_span = self._moves_span(TransferKind.LOAD, loads)
-        slots, blocks = _flat(loads)
-        self._load_event = self.copies.load(slots, blocks) if slots else None
+        slots, self._loaded = _flat(loads)
+        self._load_event = self.copies.load(slots, self._loaded) if slots else None
         self._count(host_loaded_pages=len(slots))
 
     def _loadable(self, move: Move) -> Move:
@@ -116,7 +145,10 @@ class WorkerSide:
         if all(ok):
             return move
         self._violation("load from a slot that holds another page", move.slots, ok)
-        self._load_errors.update(b for b, fine in zip(move.blocks, ok) if not fine)
+        for slot in (s for s, fine in zip(move.slots, ok) if not fine):
+            self.pages.pop(slot, None)      # it holds no page we can name
+        self._bad.update(b for b, fine in zip(move.blocks, ok) if not fine)
+        self._load_errors.update(self._bad)
         return move.keeping(ok)
 
     def load_errors(self) -> set[int]:
@@ -127,21 +159,29 @@ class WorkerSide:
         self.copies.wait_layer(layer)
 
     def finish(self, plan: StepPlan) -> None:
-        """After the forward pass: saves are issued (not waited for), then the L3 work."""
+        """After the forward pass: saves are issued (not waited for), then the L3 work. A save
+        whose page was computed over a block this step's loads did not fill right is dropped."""
+        self._step = plan.step
         self.copies.wait_loads()
         if self._load_span is not None:
             spans.finish_transfer(self._load_span)
             self._load_span = None
-        saves = [self._writable(move) for move in plan.saves]
+        load, self._load_event = self._load_event, None
+        loaded, self._loaded, bad, self._bad = self._loaded, [], self._bad, set()
+        if load is not None and load.query() and load.error is not None:
+            self._failed_load(load.error, loaded)
+            bad.update(loaded)
+            load = None
+        saves = self._kept_saves(plan, bad)
+        slots, blocks = _flat(saves)
         for move in saves:
             for slot, page in zip(move.slots, move.pages):
                 self.pages[slot] = (page, move.tenant)
-        slots, blocks = _flat(saves)
-        events = [e for e in (self._load_event, self.copies.save(slots, blocks) if slots else None) if e is not None]
-        self._load_event = None
         chained = [job for job in plan.backups if job.after_save]
         if plan.copies:
-            self._landing.append((plan.step, events, Counter(m.req_id for m in saves), chained, set(slots)))
+            save = self.copies.save(slots, blocks) if slots else None
+            self._landing.append(PlanCopies(plan.step, load, save, loaded, set(slots),
+                                            Counter(m.req_id for m in saves), chained))
             self._saving.update(m.req_id for m in saves)
         span = self._moves_span(TransferKind.WRITE, saves)
         if span is not None:
@@ -161,22 +201,40 @@ class WorkerSide:
         if plan.idle:
             self._await_prefetch()
 
+    def _kept_saves(self, plan: StepPlan, bad: set[int]) -> list[Move]:
+        """The plan's saves this worker makes: none computed over a `bad` block (one a load of
+        this step refused or failed to fill) nor into a slot a backup here reads. Any dropped
+        marks the plan failed: its pages then hold on no worker's word."""
+        saves = [move.before(bad) for move in plan.saves]
+        spoiled = set(_flat(plan.saves)[0]) - set(_flat(saves)[0])
+        if spoiled:
+            self._drop_saves(plan.step, spoiled, "computed over a block whose load failed")
+        saves = [self._writable(move) for move in saves]
+        if _pages(saves) < _pages(plan.saves):
+            self._failed[plan.step] = 1
+        return saves
+
     def preempted(self, plan: StepPlan) -> None:
-        """Before the forward pass: the saves of preempted requests land before vLLM gives
-        their blocks to another request."""
+        """Before the forward pass: vLLM gives a preempted request's blocks to another, so its
+        saves still in flight are issued now and every later kernel of the forward pass waits
+        for them (`fence_saves`); they land, and are reported, as any other. Never a timeout
+        into another request's KV: a fence that cannot be set stops the engine."""
+        self._land()
         if any(self._saving[r] for r in plan.preempted):
-            self._drain(self.settings.storage_timeout)
+            self.copies.fence_saves(FENCE_TIMEOUT_S)
+            self._count(fenced_preemptions=1)
 
     def _drain(self, timeout: float) -> None:
-        """Wait, bounded, for every copy issued to land."""
+        """Wait, bounded, for every copy issued to land, and its chained backups to start."""
         deadline = time.monotonic() + timeout
         self._land()
         while self._landing and time.monotonic() < deadline:
-            time.sleep(0)
+            time.sleep(0.001)
             self._land()
 
     def finished_sending(self, plan: StepPlan) -> set[str]:
-        """Finished requests whose saves all landed here: vLLM may free their blocks."""
+        """Finished requests whose saves all landed (or failed) here: vLLM may free their blocks."""
+        self._step = max(self._step, plan.step)
         self._keep.update(plan.keep)
         self._land()
         done = {r for r in self._keep if not self._saving[r]}
@@ -184,18 +242,43 @@ class WorkerSide:
         return done
 
     def _land(self) -> None:
-        """Plans whose copies' events completed, in order: reported, their saves no longer
-        pending, and the backups that follow them started (none from a slot not saved here)."""
-        while self._landing and all(e.query() for e in self._landing[0][1]):
-            step, _, saves, chained, saved = self._landing.pop(0)
-            self._copied[step] += 1
-            self._saving -= saves
-            for job in chained:
-                if saved.issuperset(job.slots):
+        """Plans whose copies' events completed, in order (under `late_copies`, only once a
+        later plan came): reported, their saves no longer pending, and the backups that follow
+        them started (none from a slot not saved here). A failed copy drops the plan's saves."""
+        while self._landing and self._landed(self._landing[0]):
+            c = self._landing.pop(0)
+            failure = next((e.error for e in (c.load, c.save) if e is not None and e.error is not None), None)
+            if c.load is not None and c.load.error is not None:
+                self._failed_load(c.load.error, c.loaded)
+            if failure is not None and c.saved:
+                self._drop_saves(c.step, c.saved, f"copy failed: {failure}")
+                c.saved = set()
+            self._copied[c.step] += 1
+            self._saving -= c.saves
+            for job in c.chained:
+                if c.saved.issuperset(job.slots):
                     self._background("backup", job)
                 else:       # a save dropped here: nothing of ours to store, nothing read
                     with self._lock:
                         self._finished[job.job] = 0
+
+    def _landed(self, c: PlanCopies) -> bool:
+        late = self.settings.late_copies and c.step >= self._step
+        return not late and all(e.query() for e in (c.load, c.save) if e is not None)
+
+    def _failed_load(self, error: BaseException, blocks: list[int]) -> None:
+        """A load's copy failed: its blocks are load errors, which vLLM recomputes."""
+        log.warning("hicache: a load failed; vLLM recomputes its blocks", blocks=len(blocks), error=str(error))
+        self._load_errors.update(blocks)
+
+    def _drop_saves(self, step: int, slots: set[int], why: str) -> None:
+        """The plan's saves into `slots` hold nothing here: forgotten, reported failed, so the
+        scheduler frees their slots on every worker."""
+        log.warning(f"hicache: saved pages dropped ({why}); their slots are freed", step=step, pages=len(slots))
+        for slot in slots:
+            self.pages.pop(slot, None)
+        self._failed[step] = 1
+        self._count(failed_saves=len(slots))
 
     def _await_prefetch(self) -> None:
         """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
@@ -216,8 +299,6 @@ class WorkerSide:
         bad = [s for s, fine in zip(slots, ok) if not fine]
         log.error(f"hicache: slot rule broken ({what}); those pages are dropped", slots=bad)
         self._count(slot_violations=len(bad))
-        for s in bad:
-            self.pages.pop(s, None)
 
     def _moves_span(self, kind: TransferKind, moves: list):
         """The span of a step's loads or saves; None when there are none."""
@@ -236,8 +317,7 @@ class WorkerSide:
 
     def backup_queue(self) -> int:
         """Slots this worker's backups still read: the backup queue's depth, in pages."""
-        with self._lock:
-            return len(+self._reading)
+        return len(self._reading)
 
     def totals(self) -> dict[str, int]:
         """This worker's counts and its store's (corrupt, forged, missing objects, errors)."""
@@ -260,20 +340,21 @@ class WorkerSide:
             held, self._held = self._held, Counter()
             released, self._released = self._released, Counter()
         copied, self._copied = self._copied, Counter()
+        failed, self._failed = self._failed, Counter()
         synchronous, self._synchronous = self._synchronous, 0
         evicted = self.store.evicted_pages() if self.store is not None else set()
         self.in_l3.difference_update(evicted)
         if not (done or copied or held or released or synchronous or evicted):
             return None
         return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous,
-                          evicted)
+                          evicted, failed)
 
     # -- L3 --------------------------------------------------------------------------------
 
     def _background(self, kind: str, job: Job) -> Future | None:
         if kind == "backup":
             with self._lock:
-                self._reading.update(job.slots)
+                self._reading.update(job.slots)     # each slot once a job: a count above zero
         if self.store is None:      # nothing to do, but the scheduler waits for every job
             self._ended(kind, job, 0)
             return None
@@ -303,11 +384,24 @@ class WorkerSide:
         its report goes out."""
         with self._lock:
             if kind == "backup":
-                self._reading.subtract(job.slots)
+                for slot in job.slots:
+                    if self._reading[slot] > 1:
+                        self._reading[slot] -= 1
+                    else:
+                        del self._reading[slot]
             self._finished[job.job] = pages
 
     def _backup(self, job: Job) -> int:
-        result = self.store.backup(job.hashes, self.host, job.slots, tenant=job.tenant)
+        """Store the job's pages from its slots, up to the first whose slot no longer names it
+        here (its save failed or was dropped): never a slot's bytes under another page's key."""
+        named = [self.pages.get(s) == (h, job.tenant) for s, h in zip(job.slots, job.hashes)]
+        n = named.index(False) if False in named else len(named)
+        if n < len(named):
+            log.warning("hicache: backup stopped at a slot that no longer holds its page", job=job.job,
+                        skipped=len(named) - n)
+        if not n:
+            return 0
+        result = self.store.backup(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
         stored = next((i for i, ok in enumerate(result.ok) if not ok), len(result.ok))
         self.in_l3.update(job.hashes[:stored])
         self._count(l3_stored_pages=stored)
@@ -343,23 +437,38 @@ class WorkerSide:
     # -- shutdown ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush, within `flush_timeout`: the L3 work already issued and, under write_back, the
-        host tier's pages not yet in L3; then cancel what is left and close the store, with
-        one line counting what was not written. Once: later calls do nothing."""
+        """Flush, within `flush_timeout`: every save issued lands and starts the backups that
+        follow it, then, under write_back, the host tier's landed pages L3 lacks are backed up,
+        and the L3 work issued is waited for; what is left is cancelled and counted in one
+        line each. Then the copy engine stops, the store closes and the pool is unpinned.
+        Once: later calls do nothing."""
         atexit.unregister(self.close)
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self.settings.flush_timeout
+        self._step = math.inf       # no later plan comes: every copy may land now
+        self._drain(self.settings.flush_timeout)
+        unlanded = sum(len(c.saved) for c in self._landing)
+        if unlanded:
+            log.warning("hicache shutdown: saves not landed after flush_timeout; their pages are not in L3",
+                        pages=unlanded, flush_timeout=self.settings.flush_timeout)
         if self.store is not None and self.settings.write_policy == "write_back":
             self._write_back_all()
-        shutdown.flush(self._running, self.settings.flush_timeout)
+        shutdown.flush(self._running, max(0.0, deadline - time.monotonic()))
         if self._running:       # cancelled, their threads abandoned: the process exits now
             self._portal.call(self._portal.stop, True)
         self._stack.close()
+        self.copies.close()
+        self.host.close()
 
     def _write_back_all(self) -> None:
-        """The host tier's pages L3 lacks, one backup a tenant, before the flush waits."""
-        self._drain(self.settings.flush_timeout)
+        """The host tier's pages L3 lacks, one backup a tenant, before the flush waits; never a
+        slot whose save has not landed."""
+        unlanded = {slot for c in self._landing for slot in c.saved}
         by_tenant: dict[bytes, list[tuple[str, int]]] = {}
         for slot, (page, tenant) in self.pages.items():
-            if page not in self.in_l3 and not self._reading[slot]:
+            if page not in self.in_l3 and not self._reading[slot] and slot not in unlanded:
                 by_tenant.setdefault(tenant, []).append((page, slot))
         for n, (tenant, pages) in enumerate(by_tenant.items()):
             self._background("backup", Job(-1 - n, [h for h, _ in pages], tenant, [s for _, s in pages]))

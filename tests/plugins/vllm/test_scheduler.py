@@ -179,7 +179,7 @@ def test_a_prefetch_serves_only_what_every_worker_verified_from_the_slots_it_rea
     assert load.slots == job.slots[:3] and load.blocks == [100, 101, 102] and load.pages == job.hashes[:3]
     assert plan.saves[0].slots == job.slots[3:]        # the page past the verified run is saved
     keep, params = s.finished(req)
-    assert keep and params == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": ""}}
+    assert keep and params == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": "", "fenced_preemptions": 0}}
 
 
 def test_a_load_holds_its_slots_until_a_plan_carries_it():
@@ -387,4 +387,52 @@ def test_a_finished_request_whose_saves_have_not_landed_is_kept_and_the_next_pla
     landed(s, plan, workers=2)
     b_plan = computed(s, b, 9)
     landed(s, b_plan, workers=2)
-    assert s.finished(b) == (False, {"hicache": {"host_tokens": 0, "l3_tokens": 0, "model": ""}})
+    assert s.finished(b) == (False, {"hicache": {"host_tokens": 0, "l3_tokens": 0, "model": "",
+                                                 "fenced_preemptions": 0}})
+
+
+def test_a_plan_some_worker_dropped_saves_of_holds_none_of_its_pages():
+    """One worker of two reports the plan's saves failed: no page of it is loadable or
+    announced, and its slots are free again."""
+    s = side(workers=2, storage="none")
+    a = Req("a", list(range(9)), block_hashes=[b"h0", b"h1"])
+    s.matched(a, 0)
+    plan = computed(s, a, 9)
+    landed(s, plan)
+    s.reported(JobReports(copied=Counter({plan.step: 1}), failed=Counter({plan.step: 1})))
+    s.slots.check()
+    assert sorted(s.slots.free) == [0, 1, 2, 3] and not s.events.take()
+    assert s.matched(Req("b", list(range(9))), 0) == (0, False)
+
+
+def test_a_save_names_its_block_table_only_where_its_plan_loads_one_of_those_blocks():
+    """b loads a's two pages and computes two more in one step: its save carries b's blocks up
+    to its last saved page (a worker drops the saves over a load that failed); c loads nothing."""
+    s = side(storage="none")
+    a = Req("a", list(range(9)))
+    s.matched(a, 0)
+    landed(s, computed(s, a, 9))
+    b = Req("b", list(range(17)))
+    assert s.matched(b, 0) == (8, False)
+    s.allocated(b, 8)
+    b.num_computed_tokens = 8
+    plan = computed(s, b, 9)
+    (save,) = plan.saves
+    assert save.blocks == [102, 103] and save.table == [100, 101, 102, 103]
+    landed(s, plan)
+    c = Req("c", list(range(50, 55)))
+    s.matched(c, 0)
+    (save,) = computed(s, c, 5).saves
+    assert save.table == []
+
+
+def test_a_preemption_while_a_requests_saves_are_in_flight_is_counted_in_its_params():
+    """Each worker fences the saves of a request vLLM preempts while they are in flight; its
+    kv_transfer_params count those preemptions."""
+    s, a = side(storage="none"), Req("a", list(range(9)))
+    s.matched(a, 0)
+    plan = computed(s, a, 9)
+    assert s.build({}, blocks, preempted={"a"}).preempted == ["a"]
+    landed(s, plan)
+    s.build({}, blocks, preempted={"a"})                               # nothing in flight
+    assert s.finished(a)[1]["hicache"]["fenced_preemptions"] == 1

@@ -18,6 +18,7 @@ from .engines import gen, start_engine
     ({"write_policy": "sometimes"}, "'sometimes'"),
     ({"storage_timeout": -1}, "got -1"),
     ({"storage_optional": "yes"}, "'yes'"),
+    ({"late_copies": 1}, "late_copies must be true or false, got 1"),
     ({"storage": "none", "storage_path": "/tmp/x"}, "storage_path needs storage 'file'"),
     ({"storage": "none", "storage_secret_file": "/tmp/s"}, "needs a storage to seal"),
 ])
@@ -30,6 +31,7 @@ def test_bad_values_are_one_line_naming_them(extra, named):
 def test_cli_spellings_are_accepted():
     s = settings.parse({"storage": "memory", "host-pages": 64, "key-scheme": "unified", "write-policy": "write_back"})
     assert (s.storage, s.host_pages, s.key_scheme, s.write_policy) == ("memory", 64, "unified", "write_back")
+    assert not s.late_copies and settings.parse({"late-copies": True}).late_copies
 
 
 def test_a_real_engine_refuses_to_start_on_a_bad_value(llama, prompts, tmp_path):

@@ -80,7 +80,9 @@ def test_sigterm_in_a_process_with_no_handler_exits_through_python_shutdown(tmp_
 def test_a_worker_with_a_backup_past_flush_timeout_closes_promptly_counting_what_it_did_not_write():
     w = writer(kv_blocks(), write_s=3.0, flush_timeout=0.5)
     w.host.tensor[:2] = torch.randn(2, *w.host.tensor.shape[1:]).to(torch.bfloat16)
-    w.finish(StepPlan(step=1, backups=[Job(0, page_hashes(range(8), 4), NO_TENANT, slots=[0, 1])]))
+    hashes = page_hashes(range(8), 4)
+    w.pages.update({0: (hashes[0], NO_TENANT), 1: (hashes[1], NO_TENANT)})     # the slots hold those pages
+    w.finish(StepPlan(step=1, backups=[Job(0, hashes, NO_TENANT, slots=[0, 1])]))
     started = time.monotonic()
     with capture_logs() as logs:
         w.close()
