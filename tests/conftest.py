@@ -1,10 +1,52 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the count of processes the suite starts."""
 import logging
 
 import pytest
 import structlog
 
+from tests.helpers import starts
 from tests.helpers.otlp_receiver import OTLPReceiver
+
+
+ENGINE_TESTS = ("tests/plugins/vllm/", "tests/app/test_vllm_")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under xdist (scripts/test.sh): the tests that start vLLM engines are one scope, run in
+    their order on one worker, so each pooled engine starts once and one engine runs at a time;
+    every other module is a scope of its own (its module fixtures start once), run on the other
+    worker beside them. (xdist's `loadgroup` marks do not reach its scheduler under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "vllm-engines" if path.startswith(ENGINE_TESTS) else path
+
+    return EngineTestsTogether(config, log)
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its count of process starts to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["process_starts"] = dict(starts.STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    starts.STARTS.update(getattr(node, "workeroutput", {}).get("process_starts", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if starts.STARTS:
+        terminalreporter.write_line(starts.summary(starts.STARTS))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_process_starts():
+    """From the first test on, every subprocess a test starts."""
+    starts.count_subprocesses()
 
 
 @pytest.fixture

@@ -75,7 +75,9 @@ def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outl
                 stored(101, None, tokens[:4], "STORAGE"), stored(102, 101, tokens[4:8], "STORAGE")]))
             publishers[1].publish(kv_events.KVEventBatch(ts=time.time(), events=[
                 stored(103, 102, tokens[8:12], "STORAGE"), stored(104, 103, tokens[12:], "STORAGE")]))
-            time.sleep(1.5)
+            deadline = time.monotonic() + 30     # till the indexer has both servers' events
+            while router.overlap(tokens).get(POOL, {}).get("disk", 0) < 16 and time.monotonic() < deadline:
+                time.sleep(0.05)
             found = router.overlap(tokens)
             assert found[1]["gpu"] == found[1]["disk"] == 8
             assert found.get(2, {}).get("disk", 0) == 0        # its chain starts on server 1's pages

@@ -12,23 +12,36 @@ a prompt's name, optional `salt`, `max_tokens`, `logprobs`, `prompt_logprobs`, `
 [name, id, path], or `embeds_seed` for seeded random prompt embeddings of `embeds_len`
 tokens in place of a prompt), `generate_many` (`prompts`, a list of prompts or names, submitted
 together so they share engine steps; a result each, `seconds` the batch's), `reset` (vLLM's
-prefix cache) or `kill` (SIGKILL a pid: a storage server dying mid-run).
+prefix cache), `kill` (SIGKILL a pid: a storage server dying mid-run) or `settle` (wait, at
+most `timeout` seconds, until this process's backups have ended: what a process's exit
+would flush; one process, tp=1, only).
+
+A spec without `steps` is an engine that lives on (`Engine`): it says it is ready, then runs
+each line of stdin as a JSON list of steps, one result line each, until stdin closes. Many
+tests' steps then pay for one engine start.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 from ...errors import HiCacheError
 
 MARK = "VLLM-BENCH "
+READY = "ready"
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 TIMEOUT_S = 600
+SETTLE_S = 60
 
 
 def write_llama(path: Path, *, layers: int = 8, hidden: int = 512, heads: int = 8, kv_heads: int | None = None,
@@ -119,12 +132,95 @@ def run_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S
 
 def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """The finished engine process, whatever its exit."""
+    return subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout_s, env=_environment(spec, env))
+
+
+def _environment(spec: dict, env: dict | None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     env.setdefault(THREADS_BIND, pinned_threads(spec.get("tp", 1)))
     if spec.get("tp", 1) == 1:      # one process: starts in seconds, not a minute
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=timeout_s, env=env)
+    return env
+
+
+class Engine:
+    """An engine process that lives on (a spec without steps): each `run` sends it a batch of steps and waits, at
+    most `timeout_s`, for their results. An engine that fails a batch or outlives a wait is
+    gone (killed, with its process group) and the failure is an EngineFailed naming the end
+    of its stderr. `close` ends it as a fresh process ends: stdin closed, its connector's
+    flush; interpreter exit closes what is left."""
+
+    def __init__(self, spec: dict, env: dict | None = None, start_timeout_s: float = TIMEOUT_S) -> None:
+        self.spec = spec
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                     env=_environment(spec, env), start_new_session=True)
+        self._answers: queue.Queue = queue.Queue()     # parsed result lines; None at EOF
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.close)
+        if self._answer(start_timeout_s, "to start") != READY:
+            self.kill()
+            raise EngineFailed(f"vllm engine ({spec.get('connector')}) did not say it was ready:\n{self.tail()}")
+
+    def _read(self) -> None:
+        """Our lines from stdout (vLLM logs there too); None once it closes."""
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._answers.put(json.loads(line[len(MARK):]))
+        self._answers.put(None)
+
+    def run(self, steps: list[dict], timeout_s: float = TIMEOUT_S) -> list[dict]:
+        """What each `generate` step of the batch gave."""
+        if not self.alive:
+            raise EngineFailed(f"vllm engine exited {self.proc.returncode}:\n{self.tail()}")
+        try:
+            self.proc.stdin.write(json.dumps(steps) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass        # it died meanwhile: the answer says how
+        return self._answer(timeout_s, "for a batch")
+
+    def _answer(self, timeout_s: float, waited: str):
+        try:
+            answer = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise EngineFailed(f"vllm engine gave no answer in {timeout_s:.0f} s {waited}; killed:\n{self.tail()}")
+        if answer is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+            self.kill()
+            raise EngineFailed(f"vllm engine exited {self.proc.returncode}:\n{self.tail()}")
+        return answer
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, timeout_s: float = 120) -> None:
+        """Stdin closed: the engine's loop ends and it exits as a run would; killed if it
+        outlives `timeout_s`."""
+        atexit.unregister(self.close)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL its process group (tp workers too)."""
+        atexit.unregister(self.close)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, n: int = 4000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-n:]
 
 
 def pinned_threads(tp: int = 1) -> str:
@@ -144,8 +240,23 @@ class EngineFailed(HiCacheError):
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+    llm = _engine(spec)
+    if "steps" in spec:
+        _say(_run(llm, spec["steps"], spec.get("prompts", {})))
+        return
+    _say(READY)
+    for line in sys.stdin:
+        _say(_run(llm, json.loads(line), spec.get("prompts", {})))
+
+
+def _say(answer) -> None:
+    """One line on stdout, in one write: vLLM logs there too, from other threads."""
+    sys.stdout.write(MARK + json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def _engine(spec: dict):
+    from vllm import LLM
 
     connector, transfer = spec.get("connector", "HiCacheConnector"), None
     if connector and spec.get("extra") is not None:
@@ -153,19 +264,28 @@ def main() -> None:
                     "kv_connector_extra_config": spec["extra"]}
         if connector == "HiCacheConnector" and not spec.get("by_name"):
             transfer["kv_connector_module_path"] = "hicache_vllm"
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
-              kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
-              block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
-              kv_transfer_config=transfer, enable_lora=bool(spec.get("lora_rank")),
-              max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")),
-              load_format=spec.get("load_format", "auto"))
-    prompts, results = spec.get("prompts", {}), []
-    for step in spec["steps"]:
+    return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
+               kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
+               block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
+               kv_transfer_config=transfer, enable_lora=bool(spec.get("lora_rank")),
+               max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")),
+               load_format=spec.get("load_format", "auto"))
+
+
+def _run(llm, steps: list[dict], prompts: dict) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    results = []
+    for step in steps:
         if step["op"] == "reset":
             llm.reset_prefix_cache()
             continue
         if step["op"] == "kill":
             os.kill(step["pid"], signal.SIGKILL)
+            continue
+        if step["op"] == "settle":
+            _settle(step.get("timeout", SETTLE_S))
             continue
         batch = ([_prompt(llm, {**step, "prompt": p}, prompts) for p in step["prompts"]]
                  if step["op"] == "generate_many" else [_prompt(llm, step, prompts)])
@@ -182,7 +302,24 @@ def main() -> None:
             logprobs = [{str(k): v.logprob for k, v in d.items()} for d in out.outputs[0].logprobs or []]
             results.append({"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
                             "cached": out.num_cached_tokens, "params": out.kv_transfer_params})
-    print(MARK + json.dumps(results), flush=True)
+    return results
+
+
+def _settle(timeout_s: float) -> None:
+    """Wait until every backup this process's connector issued has ended. Its worker lives in
+    this process only when vLLM runs the engine in it (one rank, no multiprocessing)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise EngineFailed("settle needs the engine in this process (tp=1, VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    if not has_kv_transfer_group():
+        return
+    worker = getattr(get_kv_transfer_group(), "worker", None)     # (None: not our connector)
+    deadline = time.monotonic() + timeout_s
+    while worker is not None and worker.backup_queue():
+        if time.monotonic() > deadline:
+            raise EngineFailed(f"backups still under way {timeout_s} s after the batch: {worker.backup_queue()} pages")
+        time.sleep(0.02)
 
 
 def _prompt(llm, step: dict, prompts: dict):

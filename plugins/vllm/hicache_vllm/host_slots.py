@@ -21,11 +21,15 @@ rules, asserted by `check` and by the property test:
 3. A slot appears at most once among one plan's fills (`take` hands out FREE slots only).
 4. A page is loaded only from a HOLDING slot (`run` counts HOLDING pages only).
 Fills and reads complete on reports that may come steps later: nothing here assumes a step.
+
+A step's work is in the slots it changes, whatever the tier's size: FREE slots and evictable
+ones (HOLDING, no reader) wait in their own queues, kept on each transition, so `take` pops
+what it hands out or evicts and never walks the index. A page's recency is when it was last
+touched or last became evictable (its fill landed, its last reader finished).
 """
 from __future__ import annotations
 
 import enum
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -56,8 +60,9 @@ class SlotError(AssertionError):
 class HostSlots:
     def __init__(self, num_slots: int) -> None:
         self.slots = [Slot() for _ in range(num_slots)]
-        self.free: dict[int, None] = dict.fromkeys(range(num_slots))
-        self.slot_of: OrderedDict[str, int] = OrderedDict()    # HOLDING or FILLING (by a save) pages, LRU first
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))     # the oldest freed first
+        self.slot_of: dict[str, int] = {}                  # HOLDING or FILLING (by a save) pages
+        self.evictable: OrderedDict[int, None] = OrderedDict()      # HOLDING slots no one reads, LRU first
         self._reading: dict[Hashable, list[int]] = {}
         self._gone: list[str] = []
 
@@ -80,9 +85,11 @@ class HostSlots:
 
     def touch(self, hashes: list[str]) -> list[int]:
         """The slots of HOLDING pages, each marked used just now."""
-        for h in hashes:
-            self.slot_of.move_to_end(h)
-        return [self.slot_of[h] for h in hashes]
+        slots = [self.slot_of[h] for h in hashes]
+        for slot in slots:
+            if slot in self.evictable:
+                self.evictable.move_to_end(slot)
+        return slots
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -92,13 +99,8 @@ class HostSlots:
         `backup` token, and its slot is not handed out: returned as (page, slot, tenant) for
         that backup. Never waits: fewer slots than asked is the answer when none are free."""
         leaving: list[tuple[str, int, bytes]] = []
-        if len(self.free) >= n:     # the common case: no page leaves, and the index is not walked
-            return self._alloc(n), leaving
-        victims = (s for s in list(self.slot_of.values())
-                   if self.slots[s].state is State.HOLDING and not self.slots[s].readers)
-        for slot in victims:
-            if len(self.free) + len(leaving) >= n:     # the leaving ones serve a later step
-                break
+        while len(self.free) + len(leaving) < n and self.evictable:    # the leaving ones serve a later step
+            slot, _ = self.evictable.popitem(last=False)
             s = self.slots[slot]
             if keep(s.page):
                 leaving.append((s.page, slot, s.tenant))
@@ -136,6 +138,7 @@ class HostSlots:
             if (verified is None or i < verified) and not elsewhere:
                 s.state, s.from_l3 = State.HOLDING, from_l3
                 self.slot_of[s.page] = slot
+                self._maybe_evictable(slot)
                 held.append(s.page)
             else:
                 if self.slot_of.get(s.page) == slot:
@@ -152,12 +155,14 @@ class HostSlots:
             if self.slots[slot].state not in readable:
                 raise SlotError(f"slot {slot} read by {token!r} while {self.slots[slot].state.value}")
             self.slots[slot].readers.add(token)
+            self.evictable.pop(slot, None)
         self._reading.setdefault(token, []).extend(slots)
 
     def done(self, token: Hashable) -> None:
         """Every worker finished reading for `token`."""
         for slot in self._reading.pop(token, ()):
             self.slots[slot].readers.discard(token)
+            self._maybe_evictable(slot)
             self._maybe_free(slot)
 
     def late(self, slot: int, workers: int) -> None:
@@ -191,6 +196,11 @@ class HostSlots:
                 raise SlotError(f"free slot {i} still has a page, a reader or a late write")
             if s.state is State.FILLING and (s.fill is None or any(isinstance(r, tuple) for r in s.readers)):
                 raise SlotError(f"filling slot {i} is loaded from, or filled by nothing")
+            if s.state is State.HOLDING and self.slot_of.get(s.page) != i:
+                raise SlotError(f"holding slot {i} is not indexed by its page")
+            if (i in self.evictable) != (s.state is State.HOLDING and not s.readers):
+                raise SlotError(f"slot {i} is {s.state.value}, read by {len(s.readers)}, but "
+                                f"{'' if i in self.evictable else 'not '}evictable")
         for page, slot in self.slot_of.items():
             if self.slots[slot].page != page or self.slots[slot].state not in (State.FILLING, State.HOLDING):
                 raise SlotError(f"page {page[:12]} indexed in slot {slot}, which holds something else")
@@ -198,9 +208,8 @@ class HostSlots:
     # -- inside ------------------------------------------------------------------------------
 
     def _alloc(self, n: int) -> list[int]:
-        got = list(itertools.islice(self.free, min(n, len(self.free))))
+        got = [self.free.popitem(last=False)[0] for _ in range(min(n, len(self.free)))]
         for slot in got:
-            del self.free[slot]
             self.slots[slot].state = State.FILLING
         return got
 
@@ -211,6 +220,12 @@ class HostSlots:
         self._gone.append(s.page)
         s.state, s.from_l3 = State.LEAVING, False
         self._maybe_free(slot)
+
+    def _maybe_evictable(self, slot: int) -> None:
+        """A HOLDING slot no one reads (any more) may be evicted: the most recently used now."""
+        s = self.slots[slot]
+        if s.state is State.HOLDING and not s.readers:
+            self.evictable[slot] = None
 
     def _maybe_free(self, slot: int) -> None:
         s = self.slots[slot]

@@ -21,6 +21,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.runtime_context import get_context, get_parallel
 
+from tests.helpers import starts
+
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM, LATENT, PAGE = 2, 4, 8, 12, 4
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -103,6 +105,7 @@ class Allocator:
 def controller(pool, backend: str, extra: dict, *, tp=(0, 1), pp=(0, 1), model="tiny/model", metrics=False):
     """SGLang's HiCacheController over `pool` with L3 `backend` (storage metrics on with
     `metrics`), its threads stopped on exit."""
+    starts.started("SGLang controller", f"{backend} tp{tp[0]}of{tp[1]} pp{pp[0]}of{pp[1]}")
     with get_parallel().override(tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1],
                                  attn_dcp_size=1, attn_dcp_rank=0):
         attention = "mla" if isinstance(pool, MLATokenToKVPoolHost) else "mha"

@@ -1,26 +1,102 @@
-"""Real vLLM engines for the tests: each its own process (`hicache_async.app.bench.vllm_engine`)."""
+"""Real vLLM engines for the tests, each its own process (`hicache_async.app.bench.vllm_engine`):
+a fresh one per `run_engine`, or one of the session's engines that live on (`EnginePool`),
+which run many tests' batches for one start. (`tests/helpers/starts.py` counts every start.)"""
 from __future__ import annotations
 
+import json
+import sys
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hicache_async.app.bench.vllm_engine import Engine, EngineFailed
 from hicache_async.app.bench.vllm_engine import run_engine as _run
 from hicache_async.app.bench.vllm_engine import start_engine as _start
 
 START_TIMEOUT_S = 400      # a tp=2 engine starts in about a minute on two cores
+BATCH_TIMEOUT_S = 240      # a test's batch takes seconds; past this its engine is killed
+LIVE = 6                   # pooled engines alive at once (each holds about a GiB)
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 RESET = {"op": "reset"}
+SETTLE = {"op": "settle"}
+
+def _spec(model: Path, extra: dict | None, spec: dict) -> dict:
+    return {"model": str(model), "extra": extra, "kv_bytes": 64 << 20, **spec}
 
 
 def run_engine(model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
                **spec) -> list[dict]:
-    """What each `generate` step gave: tokens, top-3 logprobs, num_cached_tokens, params."""
-    return _run({"model": str(model), "steps": steps, "extra": extra, "kv_bytes": 64 << 20, **spec}, env,
-                START_TIMEOUT_S)
+    """What each `generate` step of a fresh engine process gave: tokens, top-3 logprobs,
+    num_cached_tokens, params."""
+    return _run({**_spec(model, extra, spec), "steps": steps}, env, START_TIMEOUT_S)
 
 
 def start_engine(model: Path, steps: list[dict], extra: dict | None = None, **spec):
-    return _start({"model": str(model), "steps": steps, "extra": extra, "kv_bytes": 64 << 20, **spec},
-                  timeout_s=START_TIMEOUT_S)
+    return _start({**_spec(model, extra, spec), "steps": steps}, timeout_s=START_TIMEOUT_S)
+
+
+class EnginePool:
+    """The session's engines that live on, one per settings: the spec without steps, the
+    environment, and a process name (a writer and a reader that never computed what it reads
+    share settings, not a process). Each batch starts with vLLM's prefix cache reset and, with
+    our connector, ends once the backups it issued have ended (what an exit would flush), so a
+    test finds the store as a fresh process would have left it. Tests keep apart by cache
+    salts or prompts of their own, so none depends on another's state or order. An engine that
+    failed is gone: the next batch starts another. At most LIVE live; the least recently used
+    is closed first. One rank only (`settle` needs the engine in its process). Each start is
+    said on stderr with its settings."""
+
+    def __init__(self) -> None:
+        self._engines: OrderedDict[str, Engine] = OrderedDict()
+        self.starts = 0
+
+    def run(self, model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
+            process: str = "", **spec) -> list[dict]:
+        settings = _spec(model, extra, spec)
+        key = json.dumps({**settings, "env": env or {}, "process": process}, sort_keys=True)
+        engine = self._engine(key, settings, env)
+        settle = [SETTLE] if extra is not None and settings.get("connector", "HiCacheConnector") else []
+        try:
+            return engine.run([RESET, *steps, *settle], BATCH_TIMEOUT_S)
+        except EngineFailed:
+            del self._engines[key]
+            raise
+
+    def _engine(self, key: str, settings: dict, env: dict | None) -> Engine:
+        engine = self._engines.pop(key, None)
+        if engine is None or not engine.alive:
+            while len(self._engines) >= LIVE:
+                self._engines.popitem(last=False)[1].close()
+            self.starts += 1
+            print(f"pooled vLLM engine #{self.starts}: {key}", file=sys.stderr)
+            engine = Engine(settings, env, START_TIMEOUT_S)
+        self._engines[key] = engine
+        return engine
+
+    def close(self) -> None:
+        """Every engine ends as a fresh process would (its connector flushes), all at once."""
+        engines, self._engines = list(self._engines.values()), OrderedDict()
+        with ThreadPoolExecutor(max(1, len(engines))) as closing:
+            list(closing.map(Engine.close, engines))
+
+
+class SharedL3:
+    """A file L3 for the session and three pooled processes over it: a writer, a reader that
+    never computed what it reads, and a second such reader (for what the first one rewrote),
+    which loads the connector by its entry point name. A test keeps to its own cache salt."""
+
+    def __init__(self, pool: EnginePool, model: Path, path: Path) -> None:
+        self.pool, self.model, self.path = pool, model, path
+        self.extra = {"storage": "file", "storage_path": str(path)}
+
+    def write(self, steps: list[dict]) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, process="writer")
+
+    def read(self, steps: list[dict]) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, process="reader")
+
+    def read_again(self, steps: list[dict]) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, by_name=True, process="second reader")
 
 
 def gen(prompt: list[int], salt: str | None = None) -> dict:

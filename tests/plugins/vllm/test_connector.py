@@ -1,7 +1,7 @@
 """HiCacheConnector inside real vLLM: the host tier, L3 across processes, tenants, by name."""
 from __future__ import annotations
 
-from .conftest import BLOCK, SHARED_PAGES
+from .conftest import BLOCK, SHARED_PAGES, own_prompt
 from .engines import RESET, gen, run_engine, same_output, tiers
 
 
@@ -16,22 +16,24 @@ def test_host_tier_serves_a_reset_prefix_exactly_as_vllms_prefix_cache(llama, pr
     assert same_output(shared, cold["q"])
 
 
-def test_l3_serves_a_new_engine_process_over_the_same_path(llama, prompts, cold, tmp_path):
-    extra = {"storage": "file", "storage_path": str(tmp_path / "l3")}
-    run_engine(llama, [gen(prompts["p"])], extra)
-    p, q = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["q"])], extra, by_name=True)
+def test_l3_serves_a_new_engine_process_over_the_same_path(prompts, cold, l3, salt):
+    """Written by one process, read by another that loads the connector by its entry point name."""
+    l3.write([gen(prompts["p"], salt)])
+    p, q = l3.read_again([gen(prompts["p"], salt), RESET, gen(prompts["q"], salt)])
     assert p["cached"] == 288 and tiers(p) == (0, 288)
     assert same_output(p, cold["p_prefix_cache"])
     assert q["cached"] == SHARED_PAGES * BLOCK and same_output(q, cold["q"])
 
 
-def test_tenants_share_nothing_across_salts_in_either_tier(llama, prompts, cold, tmp_path):
-    p = prompts["p"]
-    extra = {"storage": "file", "storage_path": str(tmp_path / "l3")}
-    other, own = run_engine(llama, [gen(p, "alice"), RESET, gen(p, "bob"), RESET, gen(p, "alice")], extra)[1:]
-    assert other["cached"] == 0 and same_output(other, cold["p"])
+def test_tenants_share_nothing_across_salts_in_either_tier(reference, l3, salt):
+    """A prompt of the test's own under three tenants (salts of its own) and none."""
+    p = own_prompt(salt)
+    cold_p, cold_p_prefix_cache = reference(p)
+    alice, bob, carol = (f"{salt}-{name}" for name in ("alice", "bob", "carol"))
+    other, own = l3.write([gen(p, alice), RESET, gen(p, bob), RESET, gen(p, alice)])[1:]
+    carol_out, alice_out, none = l3.read([gen(p, carol), gen(p, alice), gen(p)])
+    assert other["cached"] == 0 and same_output(other, cold_p)
     assert own["cached"] == 288 and own["params"]["hicache"]["host_tokens"] == 288
-    bob, alice, none = run_engine(llama, [gen(p, "carol"), gen(p, "alice"), gen(p)], extra)
-    assert bob["cached"] == 0 and same_output(bob, cold["p"])
-    assert none["cached"] == 0 and same_output(none, cold["p"])
-    assert alice["params"]["hicache"]["l3_tokens"] == 288 and same_output(alice, cold["p_prefix_cache"])
+    assert carol_out["cached"] == 0 and same_output(carol_out, cold_p)
+    assert none["cached"] == 0 and same_output(none, cold_p)
+    assert alice_out["params"]["hicache"]["l3_tokens"] == 288 and same_output(alice_out, cold_p_prefix_cache)

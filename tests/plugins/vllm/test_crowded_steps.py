@@ -1,7 +1,8 @@
 """Steps whose saves overflow the host tier, in real vLLM: eight prompts with prefixes of their
 own, sent four at a time (so four requests save in one step) into a 12-page host tier over a
-file L3, twice in one engine, then read back one at a time by a new process, under every write
-policy. Each output is compared with vLLM's own run of the same request (no connector, float32,
+file L3, twice in one engine, then read back one at a time by a new process (the session's
+float32 reader over the shared L3, each policy's prompts under a salt of its own), under every
+write policy. Each output is compared with vLLM's own run of the same request (no connector, float32,
 threads pinned alike by `vllm_engine`): the reads, one at a time, exactly. In the writer the
 connector's L3 lookups park requests for a step, so its batches differ from vLLM's own run of
 the same four prompts, and batch shape alone moves float32 logprobs by about 1e-5 (measured:
@@ -39,17 +40,17 @@ def own(llama, crowd) -> tuple[list[dict], list[dict]]:
     return out[:8], out[8:]
 
 
-def _many(prompts: list[list[int]]) -> dict:
-    return {**gen([]), "op": "generate_many", "prompts": prompts}
+def _many(prompts: list[list[int]], salt: str | None = None) -> dict:
+    return {**gen([], salt), "op": "generate_many", "prompts": prompts}
 
 
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
-def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(llama, crowd, own, tmp_path, policy):
-    extra = {"storage": "file", "storage_path": str(tmp_path / "store"), "host_pages": HOST_PAGES,
-             "write_policy": policy}
-    rounds = [_many(crowd[:4]), _many(crowd[4:])]
-    written = run_engine(llama, rounds + [RESET] + rounds, extra, **SPEC)
-    read = run_engine(llama, [gen(p) for p in crowd], extra, **SPEC)
+def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(engines, llama, crowd, own, l3, salt,
+                                                                           policy):
+    extra = {**l3.extra, "host_pages": HOST_PAGES}
+    rounds = [_many(crowd[:4], salt), _many(crowd[4:], salt)]
+    written = run_engine(llama, rounds + [RESET] + rounds, {**extra, "write_policy": policy}, **SPEC)
+    read = engines.run(llama, [gen(p, salt) for p in crowd], extra, process="reader", **SPEC)
     batched, alone = own
     for n, (first, second) in enumerate(zip(written[:8], written[8:])):
         assert tiers(first) == (0, 0) and close_output(first, batched[n]), (n, tiers(first))

@@ -1,6 +1,7 @@
 """Nothing wrong ever becomes KV in real vLLM: a corrupt, truncated, foreign, sealed-by-another
 or other-dtype object, junk under the store, or a dead Mooncake master is a miss (or a shorter
-hit), and every output stays exactly the cache-less run's."""
+hit), and every output stays exactly the cache-less run's. Objects are written by the session's
+writer (`SharedL3`) under a salt of the test's own, and damaged before another process reads."""
 from __future__ import annotations
 
 import os
@@ -8,69 +9,60 @@ import shutil
 
 import pytest
 
-from .conftest import BLOCK, page_files
+from .conftest import BLOCK, flip_byte, page_files
 from .engines import RESET, gen, run_engine, same_output
 
 
-@pytest.fixture(scope="module")
-def written(llama, prompts, tmp_path_factory) -> dict:
-    """File stores an engine filled with P (plain, and sealed with one secret)."""
-    root = tmp_path_factory.mktemp("written")
-    secret = root / "secret"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
-    run_engine(llama, [gen(prompts["p"])], {"storage": "file", "storage_path": str(root / "plain")})
-    run_engine(llama, [gen(prompts["p"])], {"storage": "file", "storage_path": str(root / "sealed"),
-                                            "storage_secret_file": str(secret)})
-    return {"plain": root / "plain", "sealed": root / "sealed", "secret": secret}
-
-
-def _copy(store, tmp_path):
-    return shutil.copytree(store, tmp_path / "store")
-
-
-def _read(llama, prompts, store, **extra):
-    return run_engine(llama, [gen(prompts["p"])], {"storage": "file", "storage_path": str(store), **extra})[0]
-
-
 @pytest.mark.parametrize("page", [0, 4])
-def test_a_flipped_byte_ends_the_hit_at_its_page(llama, prompts, cold, written, tmp_path, page):
-    store = _copy(written["plain"], tmp_path)
-    (obj,) = page_files(store, prompts["p"])[page]
-    data = bytearray(obj.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    obj.write_bytes(bytes(data))
-    out = _read(llama, prompts, store)
+def test_a_flipped_byte_ends_the_hit_at_its_page(prompts, cold, l3, salt, page):
+    l3.write([gen(prompts["p"], salt)])
+    (obj,) = page_files(l3.path, prompts["p"], salt)[page]
+    flip_byte(obj)
+    (out,) = l3.read([gen(prompts["p"], salt)])
     assert out["cached"] == page * BLOCK and same_output(out, cold["p"])
 
 
-def test_a_truncated_object_and_junk_files_are_misses_not_crashes(llama, prompts, cold, written, tmp_path):
-    store = _copy(written["plain"], tmp_path)
-    (obj,) = page_files(store, prompts["p"])[2]
+def test_a_truncated_object_and_junk_files_are_misses_not_crashes(llama, prompts, cold, l3, salt, tmp_path):
+    """A store of P's objects alone, with the junk in it before the reading process opens it."""
+    l3.write([gen(prompts["p"], salt)])
+    store = tmp_path / "store"
+    for obj in (f for page in page_files(l3.path, prompts["p"], salt) for f in page):
+        (store / obj.relative_to(l3.path)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(obj, store / obj.relative_to(l3.path))
+    (obj,) = page_files(store, prompts["p"], salt)[2]
     obj.write_bytes(obj.read_bytes()[:100])
     (store / "zz").mkdir()
     (store / "zz" / "not-an-object").write_bytes(os.urandom(777))
     (store / ".half-written.tmp").write_bytes(b"")
     (store / "index").write_text("{ not json")
-    out = _read(llama, prompts, store)
+    (out,) = run_engine(llama, [gen(prompts["p"], salt)], {"storage": "file", "storage_path": str(store)})
     assert out["cached"] == 2 * BLOCK and same_output(out, cold["p"])
 
 
-def test_a_sealed_store_serves_its_own_secret_and_no_other(llama, prompts, cold, written, tmp_path):
-    right = _read(llama, prompts, written["sealed"], storage_secret_file=str(written["secret"]))
+def test_a_sealed_store_serves_its_own_secret_and_no_other(llama, prompts, cold, l3, salt, tmp_path):
+    """Sealed objects under the shared L3: a new process with the secret is served them; one
+    with another secret, or none (the session's reader), is not."""
+    def sealed(name: str) -> dict:
+        secret = tmp_path / name
+        if not secret.exists():
+            secret.write_bytes(os.urandom(32))
+            secret.chmod(0o600)
+        return {**l3.extra, "storage_secret_file": str(secret)}
+
+    p = gen(prompts["p"], salt)
+    run_engine(llama, [p], sealed("secret"))
+    (right,) = run_engine(llama, [p], sealed("secret"))
     assert right["cached"] == 288 and same_output(right, cold["p_prefix_cache"])
-    other = tmp_path / "other-secret"
-    other.write_bytes(os.urandom(32))
-    other.chmod(0o600)
-    wrong = _read(llama, prompts, written["sealed"], storage_secret_file=str(other))
+    (wrong,) = run_engine(llama, [p], sealed("other-secret"))
     assert wrong["cached"] == 0 and same_output(wrong, cold["p"])
-    unsealed = _read(llama, prompts, written["sealed"])
+    (unsealed,) = l3.read([p])
     assert unsealed["cached"] == 0 and same_output(unsealed, cold["p"])
 
 
-def test_a_bfloat16_store_is_a_miss_for_a_float16_engine(llama, prompts, written):
-    extra = {"storage": "file", "storage_path": str(written["plain"])}
-    first, again = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["p"])], extra, dtype="float16")
+def test_a_bfloat16_store_is_a_miss_for_a_float16_engine(llama, prompts, l3, salt):
+    p = gen(prompts["p"], salt)
+    l3.write([p])
+    first, again = run_engine(llama, [p, RESET, p], l3.extra, dtype="float16")
     assert first["cached"] == 0
     assert again["params"]["hicache"]["host_tokens"] == 288      # its own float16 pages, from the host tier
     assert same_output(first, again)

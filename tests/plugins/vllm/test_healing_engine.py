@@ -1,7 +1,8 @@
 """Healing in real vLLM (CPU build) over a file L3: when every object of a prompt's prefix is
 damaged, the one process that recomputes the prompt rewrites them all, so the next process is
 served the whole prefix again; a shorter object of another layout under one of our keys is a
-miss, and stays. Every output equals the same request's cache-less run."""
+miss, and stays. Every output equals the same request's cache-less run. The writer and the
+two readers are the session's (`SharedL3`), each test under a salt of its own."""
 from __future__ import annotations
 
 import xxhash
@@ -9,18 +10,14 @@ import xxhash
 from hicache_async.transfer.objects import _HEADER, HEADER_BYTES
 
 from .conftest import BLOCK, page_files
-from .engines import gen, run_engine, same_output, tiers
+from .engines import gen, same_output, tiers
 
 HIT = 288   # nine full pages
 
 
-def _store(tmp_path) -> dict:
-    return {"storage": "file", "storage_path": str(tmp_path / "store")}
-
-
-def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(llama, prompts, cold, tmp_path):
-    run_engine(llama, [gen(prompts["p"])], _store(tmp_path))
-    objects = [f for page in page_files(tmp_path / "store", prompts["p"]) for f in page]
+def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(prompts, cold, l3, salt):
+    l3.write([gen(prompts["p"], salt)])
+    objects = [f for page in page_files(l3.path, prompts["p"], salt) for f in page]
     assert len(objects) == 9
     damaged = {}
     for obj in objects:
@@ -29,10 +26,10 @@ def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(llama, promp
         obj.write_bytes(bytes(data))
         damaged[obj] = bytes(data)
 
-    (recomputed,) = run_engine(llama, [gen(prompts["p"])], _store(tmp_path))
+    (recomputed,) = l3.read([gen(prompts["p"], salt)])
     assert recomputed["cached"] == 0 and same_output(recomputed, cold["p"])
     assert all(obj.read_bytes() != data for obj, data in damaged.items())     # every one rewritten
-    (healed,) = run_engine(llama, [gen(prompts["p"])], _store(tmp_path))
+    (healed,) = l3.read_again([gen(prompts["p"], salt)])
     assert tiers(healed)[1] == HIT and same_output(healed, cold["p"])
 
 
@@ -47,12 +44,12 @@ def _another_layout(blob: bytes) -> bytes:
     return _HEADER.pack(*fields) + payload
 
 
-def test_a_shorter_object_of_another_layout_is_a_miss_never_removed(llama, prompts, cold, tmp_path):
-    run_engine(llama, [gen(prompts["p"])], _store(tmp_path))
-    (obj,) = page_files(tmp_path / "store", prompts["p"])[4]
+def test_a_shorter_object_of_another_layout_is_a_miss_never_removed(prompts, cold, l3, salt):
+    l3.write([gen(prompts["p"], salt)])
+    (obj,) = page_files(l3.path, prompts["p"], salt)[4]
     theirs = _another_layout(obj.read_bytes())
     obj.write_bytes(theirs)
 
-    (short,) = run_engine(llama, [gen(prompts["p"])], _store(tmp_path))
+    (short,) = l3.read([gen(prompts["p"], salt)])
     assert short["cached"] == 4 * BLOCK and same_output(short, cold["p"])
     assert obj.read_bytes() == theirs

@@ -11,15 +11,20 @@ import pytest
 
 from hicache_async.app.bench.vllm_engine import write_llama, write_lora
 
-from .conftest import BLOCK, SHARED_PAGES
+from .conftest import BLOCK, SHARED_PAGES, page_files
 from .engines import RESET, gen, run_engine, same_output, tiers
 
 HIT = 288                   # nine full blocks of a 300-token prompt
-LORA = {"lora_rank": 8}
+LORA = {"lora_rank": 8, "prompt_embeds": True}      # LoRA and prompt embeddings on
 
 
-def embeds(seed: int) -> dict:
-    return {"op": "generate", "embeds_seed": seed, "embeds_len": 300, "max_tokens": 8, "logprobs": 3}
+def embeds(seed: int, salt: str | None = None) -> dict:
+    return {"op": "generate", "embeds_seed": seed, "embeds_len": 300, "salt": salt, "max_tokens": 8, "logprobs": 3}
+
+
+def _lora_engine(engines, llama, l3, steps: list[dict], process: str) -> list[dict]:
+    """A pooled engine with LoRA and prompt embeddings on, over the shared L3."""
+    return engines.run(llama, steps, l3.extra, process=process, **LORA)
 
 
 @pytest.fixture(scope="module")
@@ -43,41 +48,41 @@ def cold_lora(llama, prompts, adapters) -> dict[str, dict]:
     """Q under each adapter and under none, and two prompt embeddings, without the connector."""
     q = prompts["q"]
     out = run_engine(llama, [gen(q) | {"lora": adapters["a"]}, RESET, gen(q) | {"lora": adapters["b"]}, RESET,
-                             embeds(1), RESET, embeds(2)], prompt_embeds=True, **LORA)
+                             embeds(1), RESET, embeds(2)], **LORA)
     return dict(zip(["a", "b", "e1", "e2"], out))
 
 
-def test_adapters_never_share_kv_and_each_gets_its_own_back(llama, prompts, cold, cold_lora, adapters, tmp_path):
+def test_adapters_never_share_kv_and_each_gets_its_own_back(engines, llama, prompts, cold, cold_lora, adapters,
+                                                            l3, salt):
     """Base P, then Q (sharing P's first pages) under adapters a and b: no page crosses; Q
     under a again comes from the host tier, and a new process gets b's and the base's own
     pages from L3."""
-    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
-    p, q = prompts["p"], prompts["q"]
-    base, a, b, a_again = run_engine(llama, [gen(p), RESET, gen(q) | {"lora": adapters["a"]}, RESET,
-                                             gen(q) | {"lora": adapters["b"]}, RESET,
-                                             gen(q) | {"lora": adapters["a"]}], extra, **LORA)
+    p, q = gen(prompts["p"], salt), gen(prompts["q"], salt)
+    base, a, b, a_again = _lora_engine(engines, llama, l3, [p, RESET, q | {"lora": adapters["a"]}, RESET,
+                                                            q | {"lora": adapters["b"]}, RESET,
+                                                            q | {"lora": adapters["a"]}], "writer")
     assert same_output(base, cold["p"])
     assert a["cached"] == 0 and same_output(a, cold_lora["a"])
     assert b["cached"] == 0 and same_output(b, cold_lora["b"])
     assert tiers(a_again)[0] == HIT and same_output(a_again, cold_lora["a"])
-    b_l3, base_q = run_engine(llama, [gen(q) | {"lora": adapters["b"]}, RESET, gen(q)], extra, **LORA)
+    b_l3, base_q = _lora_engine(engines, llama, l3, [q | {"lora": adapters["b"]}, RESET, q], "reader")
     assert tiers(b_l3)[1] == HIT and same_output(b_l3, cold_lora["b"])
     assert tiers(base_q)[1] == SHARED_PAGES * BLOCK and same_output(base_q, cold["q"])
 
 
-def test_prompt_embeddings_key_their_pages(llama, cold_lora, tmp_path):
+def test_prompt_embeddings_key_their_pages(engines, llama, cold_lora, l3, salt):
     """Two prompts of one length and other embeddings (their placeholder token ids are all
     equal) share nothing; the first one's own pages come back."""
-    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
-    e1, e2, again = run_engine(llama, [embeds(1), RESET, embeds(2), RESET, embeds(1)], extra, prompt_embeds=True)
+    e1, e2, again = _lora_engine(engines, llama, l3, [embeds(1, salt), RESET, embeds(2, salt), RESET,
+                                                      embeds(1, salt)], "writer")
     assert same_output(e1, cold_lora["e1"])
     assert e2["cached"] == 0 and same_output(e2, cold_lora["e2"])
     assert tiers(again)[0] == HIT and same_output(again, cold_lora["e1"])
 
 
-def test_prompt_logprobs_take_nothing_from_our_tiers(llama, prompts, cold, tmp_path):
-    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
-    _, scored = run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["p"]) | {"prompt_logprobs": 1}], extra)
+def test_prompt_logprobs_take_nothing_from_our_tiers(prompts, cold, l3, salt):
+    p = gen(prompts["p"], salt)
+    _, scored = l3.write([p, RESET, p | {"prompt_logprobs": 1}])
     assert scored["cached"] == 0 and tiers(scored) == (0, 0)
     assert same_output(scored, cold["p"])
 
@@ -98,14 +103,14 @@ def test_new_weights_in_the_same_folder_miss_l3(prompts, tmp_path):
     assert old["tokens"] != new["tokens"]
 
 
-def test_dummy_weights_over_the_real_folder_never_serve_the_real_model(llama, prompts, cold, tmp_path):
+def test_dummy_weights_over_the_real_folder_never_serve_the_real_model(llama, prompts, cold, l3, salt):
     """`--load-format dummy` over the real checkpoint folder computes other KV into the same
-    store: the real weights then get none of it, and vLLM's own tokens."""
-    store = tmp_path / "store"
-    extra = {"storage": "file", "storage_path": str(store)}
-    (dummy,) = run_engine(llama, [gen(prompts["p"])], extra, load_format="dummy")
-    assert len([f for f in store.rglob("*") if f.is_file()]) >= HIT // BLOCK      # its pages are in L3
+    store: the real weights (a new process, the session's reader) then get none of it, and
+    vLLM's own tokens."""
+    p = gen(prompts["p"], salt)
+    (dummy,) = run_engine(llama, [p], l3.extra, load_format="dummy")
+    assert len(sum(page_files(l3.path, prompts["p"], salt), [])) >= HIT // BLOCK    # its pages are in L3
     assert dummy["tokens"] != cold["p"]["tokens"]                                 # and would show if served
-    (real,) = run_engine(llama, [gen(prompts["p"])], extra)
+    (real,) = l3.read([p])
     assert dummy["params"]["hicache"]["model"] != real["params"]["hicache"]["model"]
     assert real["cached"] == 0 and tiers(real) == (0, 0) and same_output(real, cold["p"])

@@ -1,67 +1,67 @@
 """What each write policy puts into L3, in real vLLM with a 16-page host tier, read back by a
 new process; and a corrupt object that heals after one recompute. Every output read back
-equals the same request's cache-less run."""
+equals the same request's cache-less run. Each writer of a policy is a fresh process (under
+write_back its exit writes what the host tier holds); the readers, and the healing test's
+writer, are the session's (`SharedL3`), each test under a salt of its own."""
 from __future__ import annotations
 
 import pytest
 
-from .conftest import BLOCK, page_files
+from .conftest import BLOCK, flip_byte, page_files
 from .engines import RESET, gen, run_engine, same_output, tiers
 
 HIT = 288
 
 
-def _store(tmp_path, policy: str) -> dict:
-    return {"storage": "file", "storage_path": str(tmp_path / "store"), "host_pages": 16, "write_policy": policy}
+def _write(llama, l3, policy: str, steps: list[dict]) -> None:
+    """The steps in a fresh engine with a 16-page host tier under `policy`, over the shared L3."""
+    run_engine(llama, steps, {**l3.extra, "host_pages": 16, "write_policy": policy})
 
 
-def _read_back(llama, prompts, extra) -> list[dict]:
+def _read_back(prompts, l3, salt) -> list[dict]:
     """P and R in a new process over the same store."""
-    return run_engine(llama, [gen(prompts["p"]), RESET, gen(prompts["r"])], extra)
+    return l3.read([gen(prompts["p"], salt), RESET, gen(prompts["r"], salt)])
 
 
-def test_write_through_stores_every_saved_page(llama, prompts, cold, tmp_path):
-    extra = _store(tmp_path, "write_through")
-    run_engine(llama, [gen(prompts["p"]), gen(prompts["r"])], extra)
-    p, r = _read_back(llama, prompts, extra)
+def test_write_through_stores_every_saved_page(llama, prompts, cold, l3, salt):
+    _write(llama, l3, "write_through", [gen(prompts["p"], salt), gen(prompts["r"], salt)])
+    p, r = _read_back(prompts, l3, salt)
     assert tiers(p)[1] == HIT and same_output(p, cold["p"])
     assert tiers(r)[1] == HIT and same_output(r, cold["r"])
 
 
-def test_write_through_selective_stores_a_page_on_its_second_use(llama, prompts, cold, tmp_path):
+def test_write_through_selective_stores_a_page_on_its_second_use(llama, prompts, cold, l3, salt):
     """P computed, then served from vLLM's own cache, then from the host tier; R once."""
-    extra = _store(tmp_path, "write_through_selective")
-    run_engine(llama, [gen(prompts["p"]), gen(prompts["p"]), RESET, gen(prompts["p"]), gen(prompts["r"])], extra)
-    assert all(page_files(tmp_path / "store", prompts["p"])[:9])
-    assert not any(page_files(tmp_path / "store", prompts["r"]))
-    p, r = _read_back(llama, prompts, extra)
+    p, r = (gen(prompts[name], salt) for name in "pr")
+    _write(llama, l3, "write_through_selective", [p, p, RESET, p, r])
+    assert all(page_files(l3.path, prompts["p"], salt)[:9])
+    assert not any(page_files(l3.path, prompts["r"], salt))
+    p, r = _read_back(prompts, l3, salt)
     assert tiers(p)[1] == HIT and same_output(p, cold["p"])
     assert tiers(r)[1] == 0 and same_output(r, cold["r"])
 
 
-def test_write_back_stores_what_leaves_the_host_tier_and_the_rest_at_shutdown(llama, prompts, cold, tmp_path):
+def test_write_back_stores_what_leaves_the_host_tier_and_the_rest_at_shutdown(llama, prompts, cold, l3, salt):
     """P and R are 18 pages in a 16-page tier: to save R, P's two oldest pages leave it through
     L3 (R's last two pages may skip the tier, if their slots are still leaving: a save never
     waits); what the host tier holds at the end is written by the worker's close on the
     engine's way out."""
-    extra = _store(tmp_path, "write_back")
-    run_engine(llama, [gen(prompts["p"]), gen(prompts["r"])], extra)
-    assert all(page_files(tmp_path / "store", prompts["p"]))
-    assert all(page_files(tmp_path / "store", prompts["r"])[:7])
-    p, r = _read_back(llama, prompts, extra)
+    _write(llama, l3, "write_back", [gen(prompts["p"], salt), gen(prompts["r"], salt)])
+    assert all(page_files(l3.path, prompts["p"], salt))
+    assert all(page_files(l3.path, prompts["r"], salt)[:7])
+    p, r = _read_back(prompts, l3, salt)
     assert tiers(p)[1] == HIT and same_output(p, cold["p"])
     assert tiers(r)[1] >= 7 * BLOCK and same_output(r, cold["r"])
 
 
 @pytest.mark.parametrize("page", [0, 4])
-def test_a_corrupt_object_heals_after_one_recompute(llama, prompts, cold, tmp_path, page):
-    extra = {"storage": "file", "storage_path": str(tmp_path / "store")}
-    run_engine(llama, [gen(prompts["p"])], extra)
-    (obj,) = page_files(tmp_path / "store", prompts["p"])[page]
-    data = bytearray(obj.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    obj.write_bytes(bytes(data))
-    (short,) = run_engine(llama, [gen(prompts["p"])], extra)
+def test_a_corrupt_object_heals_after_one_recompute(prompts, cold, l3, salt, page):
+    """Written by one process; the next one reads up to the corrupt object and recomputes the
+    rest, rewriting it; a third is served the whole prefix."""
+    l3.write([gen(prompts["p"], salt)])
+    (obj,) = page_files(l3.path, prompts["p"], salt)[page]
+    flip_byte(obj)
+    (short,) = l3.read([gen(prompts["p"], salt)])
     assert short["cached"] == page * BLOCK and same_output(short, cold["p"])
-    (healed,) = run_engine(llama, [gen(prompts["p"])], extra)
+    (healed,) = l3.read_again([gen(prompts["p"], salt)])
     assert tiers(healed)[1] == HIT and same_output(healed, cold["p"])
