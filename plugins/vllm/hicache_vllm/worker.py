@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -55,6 +56,7 @@ from .observed import OBSERVED
 
 log = structlog.get_logger(__name__)
 IDLE_WAIT_S = 0.05  # longest an engine step with no forward pass waits for a prefetch
+_FLUSH_JOBS = itertools.count(-1, -1)     # shutdown's own backups: ids no scheduler hands out
 FENCE_TIMEOUT_S = 60.0  # longest a preemption waits for its saves to be issued: then the engine stops
 
 
@@ -447,13 +449,16 @@ class WorkerSide:
             return
         self._closed = True
         deadline = time.monotonic() + self.settings.flush_timeout
+        write_back = self.store is not None and self.settings.write_policy == "write_back"
         self._step = math.inf       # no later plan comes: every copy may land now
+        if write_back:              # the landed pages first: a save that never lands must not starve them
+            self._write_back_all()
         self._drain(self.settings.flush_timeout)
         unlanded = sum(len(c.saved) for c in self._landing)
         if unlanded:
             log.warning("hicache shutdown: saves not landed after flush_timeout; their pages are not in L3",
                         pages=unlanded, flush_timeout=self.settings.flush_timeout)
-        if self.store is not None and self.settings.write_policy == "write_back":
+        if write_back:              # and those that landed meanwhile
             self._write_back_all()
         shutdown.flush(self._running, max(0.0, deadline - time.monotonic()))
         if self._running:       # cancelled, their threads abandoned: the process exits now
@@ -464,14 +469,15 @@ class WorkerSide:
 
     def _write_back_all(self) -> None:
         """The host tier's pages L3 lacks, one backup a tenant, before the flush waits; never a
-        slot whose save has not landed."""
+        slot whose save has not landed, nor one a backup already reads (so a second call adds
+        only what landed since)."""
         unlanded = {slot for c in self._landing for slot in c.saved}
         by_tenant: dict[bytes, list[tuple[str, int]]] = {}
         for slot, (page, tenant) in self.pages.items():
             if page not in self.in_l3 and not self._reading[slot] and slot not in unlanded:
                 by_tenant.setdefault(tenant, []).append((page, slot))
-        for n, (tenant, pages) in enumerate(by_tenant.items()):
-            self._background("backup", Job(-1 - n, [h for h, _ in pages], tenant, [s for _, s in pages]))
+        for tenant, pages in by_tenant.items():
+            self._background("backup", Job(next(_FLUSH_JOBS), [h for h, _ in pages], tenant, [s for _, s in pages]))
 
 
 def _flat(moves: list[Move]) -> tuple[list[int], list[int]]:
