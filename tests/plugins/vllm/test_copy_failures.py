@@ -154,12 +154,9 @@ def test_write_back_shutdown_backs_up_no_page_whose_save_has_not_landed():
     assert [line["pages"] for line in logs if "not landed" in line["event"]] == [2]
 
 
-def test_a_refused_load_drops_the_saves_computed_over_it_in_its_step():
-    """Case 3: b loads a's two pages and computes two more in one step; one rank refuses the
-    load of page 1 (its slot holds another page). b's pages from page 1 on are computed over a
-    block vLLM must recompute: dropped on that rank, freed on every rank, never backed up;
-    the blocks before it (page 0) are a's and stay held."""
-    e = Engine(workers=2)
+def loading_a_prefix(e: Engine) -> Req:
+    """a computes two pages (held, backed up); b, sharing them, is matched and allocated the
+    load of both: this step loads them and computes b's two more."""
     a = Req("a", list(range(9)))
     looked(e.sched, a)
     e.step({"a": 9}, {"a": a})
@@ -169,6 +166,16 @@ def test_a_refused_load_drops_the_saves_computed_over_it_in_its_step():
     assert e.sched.matched(b, 0) == (8, False)
     e.sched.allocated(b, 8)
     b.num_computed_tokens = 8
+    return b
+
+
+def test_a_refused_load_drops_the_saves_computed_over_it_in_its_step():
+    """Case 3: b loads a's two pages and computes two more in one step; one rank refuses the
+    load of page 1 (its slot holds another page). b's pages from page 1 on are computed over a
+    block vLLM must recompute: dropped on that rank, freed on every rank, never backed up;
+    the blocks before it (page 0) are a's and stay held."""
+    e = Engine(workers=2)
+    b = loading_a_prefix(e)
     slot1 = e.sched.slots.slot_of[e.sched.requests["a"].hashes[1]]
     e.workers[1].pages[slot1] = ("another page", NO_TENANT)
     plan = e.step({"b": 9}, {"b": b})
@@ -188,15 +195,7 @@ def test_a_failed_load_is_a_load_error_and_spoils_the_saves_over_it():
     """Case 3: the load's copy event completes with an error: its blocks are load errors (vLLM
     recomputes them) and b's saves over them are dropped."""
     e = Engine(workers=1)
-    a = Req("a", list(range(9)))
-    looked(e.sched, a)
-    e.step({"a": 9}, {"a": a})
-    e.settle()
-    b = Req("b", list(range(17)))
-    looked(e.sched, b)
-    e.sched.matched(b, 0)
-    e.sched.allocated(b, 8)
-    b.num_computed_tokens = 8
+    b = loading_a_prefix(e)
     failing(e.workers[0], "load")
     plan = e.step({"b": 9}, {"b": b})
     e.settle()

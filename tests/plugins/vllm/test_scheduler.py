@@ -5,7 +5,6 @@ once every worker reported them (`landed`, `JobReports`)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 from hicache_vllm.host_slots import State
@@ -16,23 +15,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from hicache_async.config import WRITE_POLICIES
 
+from tests.plugins.vllm.stand_ins import Req
+
 PAGE = 4
-
-
-@dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-    lora_request: object = None
-    prompt_embeds: object = None
-    mm_features: list = field(default_factory=list)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def side(workers: int = 1, **settings) -> SchedulerSide:
