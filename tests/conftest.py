@@ -1,9 +1,11 @@
 """Fixtures shared by several test modules, and the count of processes the suite starts."""
 import logging
+import os
 
 import pytest
 import structlog
 
+from hicache_async.app.bench import launch
 from tests.helpers import starts
 from tests.helpers.otlp_receiver import OTLPReceiver
 
@@ -11,20 +13,26 @@ from tests.helpers.otlp_receiver import OTLPReceiver
 ENGINE_TESTS = ("tests/plugins/vllm/", "tests/app/test_vllm_")
 
 
+def pytest_collection_modifyitems(items):
+    """The modules that start vLLM engines and servers first, each in its own order: under
+    xdist they are the longest units, so they are handed out before the short ones that even
+    out the end."""
+    items.sort(key=lambda item: not item.nodeid.startswith(ENGINE_TESTS))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under xdist (scripts/test.sh): the tests that start vLLM engines are one scope, run in
-    their order on one worker, so each pooled engine starts once and one engine runs at a time;
-    every other module is a scope of its own (its module fixtures start once), run on the other
-    worker beside them. (xdist's `loadgroup` marks do not reach its scheduler under pytest 9.)"""
+    """Under xdist (scripts/test.sh) each module is a unit of work, handed out in collection
+    order to the first idle worker; its module fixtures start once, and each worker pools
+    its own engines (`tests/plugins/vllm/engines.py`)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class EngineTestsTogether(LoadScopeScheduling):
+    class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return "vllm-engines" if path.startswith(ENGINE_TESTS) else path
+            return nodeid.split("::")[0]
 
-    return EngineTestsTogether(config, log)
+    config.option.loadscopereorder = False
+    return ByModule(config, log)
 
 
 def pytest_sessionfinish(session):
@@ -47,6 +55,17 @@ def pytest_terminal_summary(terminalreporter):
 def count_process_starts():
     """From the first test on, every subprocess a test starts."""
     starts.count_subprocesses()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_starts(tmp_path_factory):
+    """vLLM engines and servers start as forks of one process that has imported vLLM
+    (`launch.warm`): seconds a start, not ten; the fork server starts with the first of them."""
+    server = launch.warm(("hicache_async.app.bench.vllm_engine", "vllm.entrypoints.openai.api_server"),
+                         ("vllm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server"),
+                         {**os.environ, "HF_HUB_OFFLINE": "1"}, tmp_path_factory.getbasetemp() / "forkserver.log")
+    yield server
+    server.close()
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from ...errors import HiCacheError
+from . import launch
 
 MARK = "VLLM-BENCH "
 READY = "ready"
@@ -131,9 +132,19 @@ def run_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S
 
 
 def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """The finished engine process, whatever its exit."""
-    return subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=timeout_s, env=_environment(spec, env))
+    """The finished engine process, whatever its exit (killed past `timeout_s`)."""
+    args = [sys.executable, "-m", __name__, json.dumps(spec)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = launch.popen(args, stdout=out, stderr=err, env=_environment(spec, env), text=True)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, proc.returncode, out.read(), err.read())
 
 
 def _environment(spec: dict, env: dict | None) -> dict:
@@ -154,9 +165,9 @@ class Engine:
     def __init__(self, spec: dict, env: dict | None = None, start_timeout_s: float = TIMEOUT_S) -> None:
         self.spec = spec
         self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                     env=_environment(spec, env), start_new_session=True)
+        self.proc = launch.popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                 env=_environment(spec, env), start_new_session=True)
         self._answers: queue.Queue = queue.Queue()     # parsed result lines; None at EOF
         threading.Thread(target=self._read, daemon=True).start()
         atexit.register(self.close)

@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from ...sim.ranks.launcher import die_with_parent, free_port
+from . import launch
 from .figure import figure, skipped
 from .fleet_stream import Shape, play, stream
 from .vllm_serve_figures import ENV, LLAMA, START_TIMEOUT_S, Server, _counter
@@ -70,8 +71,8 @@ class FleetServer(Server):
                                                       "replay_endpoint": f"tcp://*:{events[1]}"})]
         env = {**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                         preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
+            self.proc = launch.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
 
     def tokens(self) -> dict[str, int]:
         """Prompt tokens, and those served by device, host and L3, from the server's counters."""

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ...errors import HiCacheError
 from ...sim.ranks.launcher import die_with_parent, free_port
+from . import launch
 from .figure import figure, skipped
 from .vllm_engine import THREADS_BIND, pinned_threads
 
@@ -123,9 +124,8 @@ class Server:
                                                         "kv_load_failure_policy": "recompute",
                                                         "kv_connector_extra_config": extra})]
         with open(self.log, "wb") as out:     # SIGTERM, not SIGKILL, if we die: vLLM then stops its engine
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
-                                         start_new_session=True,
-                                         preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
+            self.proc = launch.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
+                                     start_new_session=True, preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
 
     def wait_ready(self, deadline: float) -> None:
         """Until /health answers; a server that exits first or is late is one error naming its

@@ -4,7 +4,9 @@ Ranks send JSON text to the parent over a pipe (progress, a result, or a one-lin
 data is pickled. The parent returns the results in rank order or raises the root cause: the first
 error reported, or a rank that died without reporting. Children die with the parent (Linux
 PR_SET_PDEATHSIG), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
-before `launch` returns or raises.
+before `launch` returns or raises. Each rank is a fork of multiprocessing's fork server, which
+imports torch once for all this process's launches (an interpreter start each would import it
+again); a rank takes the environment of the `launch` that started it, not the server's.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import select
 import signal
 import socket
 import threading
@@ -30,7 +33,9 @@ from .target import RankContext, error_type, one_line, run_target
 
 __all__ = ["RankContext", "die_with_parent", "launch"]  # a target gets a RankContext
 
+RANK_IMPORTS = ("torch", "torch.distributed", "hicache_async.sim.ranks.target")
 STOP_GRACE_S = 2.0
+DEATH_GRACE_S = 0.5   # how long a reported error waits for the silent death that may have caused it
 LINGER_S = 10.0  # a failed rank keeps its sockets open this long so peers cannot report first
 PR_SET_PDEATHSIG = 1
 WAKE_S = 0.5     # the longest the parent sleeps: a Ctrl-C the kernel hands to another of its
@@ -44,6 +49,7 @@ class _Rank:
     conn: Connection
     result: Any = None
     done: bool = False
+    closed: bool = False    # its end of the pipe is gone: it exited
 
 
 def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: float = 60.0,
@@ -62,13 +68,15 @@ def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: 
             "tp": tp, "pp": pp, "cp": cp, "target": target, "payload": payload,
             "timeout_s": timeout_s, "run_id": run_id or uuid.uuid4().hex[:12],
             "init_method": f"tcp://127.0.0.1:{free_port()}", "parent_pid": os.getpid(),
+            "env": {**os.environ, "OMP_NUM_THREADS": "1"},
         })
     except TypeError as exc:
         raise UsageError(f"payload is not JSON-serialisable: {exc}") from None
     ranks: list[_Rank] = []
     try:
         with _quiet_spawn():
-            context = mp.get_context("spawn")
+            context = mp.get_context("forkserver")
+            context.set_forkserver_preload([*RANK_IMPORTS, target.split(":")[0]])
             for rank in range(tp * pp * cp):
                 parent_end, child_end = context.Pipe(duplex=False)
                 process = context.Process(target=_rank_main, args=(spec, rank, child_end),
@@ -92,33 +100,53 @@ def _collect(ranks: list[_Rank], on_progress: Callable[[dict], None],
         if left <= 0:
             raise HiCacheError(f"run did not finish within its deadline of {deadline_s:g} s")
         ready = wait([*by_conn, *by_sentinel], min(left, WAKE_S))
-        # A silent death is a root cause; peers' errors in the same batch are its cascade.
-        for rank in [by_sentinel.pop(s) for s in ready if s in by_sentinel]:
-            _drain(rank, by_conn, on_progress)
-            if not rank.done:
-                rank.process.join(1.0)  # the sentinel fired: it has exited; reap it for its code
-                raise HiCacheError(f"{rank.coords.label()} died without reporting "
-                                   f"({_exit_reason(rank.process.exitcode)})")
-        for conn in [c for c in ready if c in by_conn]:
-            _drain(by_conn[conn], by_conn, on_progress)
+        errors = _take(ranks, ready, by_conn, by_sentinel, on_progress)
+        if errors:
+            # A peer's error may come a moment before the pipe of the rank whose death caused
+            # it closes (its sockets may close first): that death, if any, is the root cause.
+            grace_end = time.monotonic() + DEATH_GRACE_S
+            while (left := grace_end - time.monotonic()) > 0 and (by_conn or by_sentinel):
+                _take(ranks, wait([*by_conn, *by_sentinel], left), by_conn, by_sentinel, on_progress)
+            raise errors[0]
+
+
+def _take(ranks: list[_Rank], ready: list, by_conn: dict[Connection, _Rank], by_sentinel: dict[int, _Rank],
+          on_progress: Callable[[dict], None]) -> list[Exception]:
+    """Handle what the ranks in `ready` said; raise for a rank that died without reporting (a
+    silent death is a root cause: peers' errors in the same batch are its cascade), else return
+    the errors reported. A rank's pipe closes as it dies; the fork server reports its exit later."""
+    for sentinel in by_sentinel.keys() & set(ready):
+        del by_sentinel[sentinel]
+    errors = [error for r in ranks if r.conn in ready or r.process.sentinel in ready
+              for error in _drain(r, by_conn, on_progress)]
+    for rank in ranks:
+        if not rank.done and (rank.closed or rank.process.sentinel in ready):
+            rank.process.join(STOP_GRACE_S)     # it has exited: reap it for its code
+            raise HiCacheError(f"{rank.coords.label()} died without reporting "
+                               f"({_exit_reason(rank.process.exitcode)})")
+    return errors
 
 
 def _drain(rank: _Rank, by_conn: dict[Connection, _Rank],
-           on_progress: Callable[[dict], None]) -> None:
-    """Handle every message the rank has sent so far; forget its pipe once it is closed."""
+           on_progress: Callable[[dict], None]) -> list[Exception]:
+    """Handle every message the rank has sent so far, and return the errors it reported;
+    forget its pipe once it is closed."""
+    errors = []
     while rank.conn in by_conn and rank.conn.poll():
         try:
             message = json.loads(rank.conn.recv_bytes())
         except EOFError:
             del by_conn[rank.conn]
-            return
+            rank.closed = True
+            break
         kind = message["kind"]
         if kind == "progress":
             on_progress({**message["data"], "rank": rank.coords.rank})
         elif kind == "result":
             rank.result, rank.done = message["data"], True
         else:
-            raise error_type(message["type"])(message["message"])
+            errors.append(error_type(message["type"])(message["message"]))
+    return errors
 
 
 def _stop(ranks: list[_Rank]) -> None:
@@ -141,8 +169,8 @@ def _stop(ranks: list[_Rank]) -> None:
 def _quiet_spawn() -> Iterator[None]:
     """Children start with one OpenMP thread and SIGINT ignored: Ctrl-C is the parent's to handle.
 
-    An ignored signal stays ignored across exec, so even a child still importing torch cannot
-    print a KeyboardInterrupt traceback. Only the main thread may change the handler; children
+    The fork server starts within it, so it imports torch with one OpenMP thread, and, since an
+    ignored signal stays ignored across exec, no child of it prints a KeyboardInterrupt traceback. Only the main thread may change the handler; children
     launched from another thread ignore SIGINT from _rank_main on.
     """
     saved = os.environ.get("OMP_NUM_THREADS")
@@ -176,7 +204,9 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
     """Entry point of a rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(spec_text)
-    die_with_parent(spec["parent_pid"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    _die_with_launcher(spec["parent_pid"])
     coords = RankCoords.of(rank, spec["tp"], spec["pp"], spec["cp"])
 
     def send(message: dict) -> None:
@@ -191,6 +221,22 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
         send({"kind": "error", "type": type(exc).__name__, "message": one_line(coords, exc)})
         time.sleep(LINGER_S)
         os._exit(1)
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """SIGKILL this rank as soon as the launching process is gone, however it went. Its parent
+    is the fork server, which lives as long as any of its children does, so PR_SET_PDEATHSIG
+    cannot say it: a thread waits on the launcher's pidfd instead."""
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([launcher], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="hicache-launcher-watch", daemon=True).start()
 
 
 def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:

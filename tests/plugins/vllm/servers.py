@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from hicache_async.app.bench import launch
 from hicache_async.sim.ranks.launcher import free_port
 
 START_TIMEOUT_S = 400
@@ -32,7 +33,7 @@ class Server:
                "--skip-tokenizer-init", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
                "--kv-cache-memory-bytes", str(KV_BYTES), *args]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            self.proc = launch.popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Server:
