@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hicache_async.app.bench.vllm_engine import Engine, EngineFailed
@@ -43,8 +42,8 @@ class EnginePool:
     test finds the store as a fresh process would have left it. Tests keep apart by cache
     salts or prompts of their own, so none depends on another's state or order. An engine that
     failed is gone: the next batch starts another. At most LIVE live; the least recently used
-    is closed first. One rank only (`settle` needs the engine in its process). Each start is
-    said on stderr with its settings."""
+    is killed first (see `close`). One rank only (`settle` needs the engine in its process).
+    Each start is said on stderr with its settings."""
 
     def __init__(self) -> None:
         self._engines: OrderedDict[str, Engine] = OrderedDict()
@@ -66,7 +65,7 @@ class EnginePool:
         engine = self._engines.pop(key, None)
         if engine is None or not engine.alive:
             while len(self._engines) >= LIVE:
-                self._engines.popitem(last=False)[1].close()
+                self._engines.popitem(last=False)[1].kill()
             self.starts += 1
             print(f"pooled vLLM engine #{self.starts}: {key}", file=sys.stderr)
             engine = Engine(settings, env, START_TIMEOUT_S)
@@ -74,10 +73,11 @@ class EnginePool:
         return engine
 
     def close(self) -> None:
-        """Every engine ends as a fresh process would (its connector flushes), all at once."""
+        """Every engine killed: each batch waited for its backups to end, so nothing is left to
+        flush, and a graceful exit costs seconds an engine at the end of the session."""
         engines, self._engines = list(self._engines.values()), OrderedDict()
-        with ThreadPoolExecutor(max(1, len(engines))) as closing:
-            list(closing.map(Engine.close, engines))
+        for engine in engines:
+            engine.kill()
 
 
 class SharedL3:
