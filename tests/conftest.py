@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: not item.nodeid.startswith(ENGINE_TESTS))
 
 
+def pytest_runtest_setup(item):
+    """Past the engine modules (they come first), a worker's pooled engines are killed: idle,
+    they still take CPU from the tests beside them. (A later engine test would start its own.)"""
+    if not item.nodeid.startswith(ENGINE_TESTS):
+        from tests.plugins.vllm.engines import POOLS
+
+        for pool in POOLS:
+            pool.close()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under xdist (scripts/test.sh) each module is a unit of work, handed out in collection

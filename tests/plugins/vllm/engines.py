@@ -34,6 +34,9 @@ def start_engine(model: Path, steps: list[dict], extra: dict | None = None, **sp
     return _start({**_spec(model, extra, spec), "steps": steps}, timeout_s=START_TIMEOUT_S)
 
 
+POOLS: list[EnginePool] = []     # this process's pools, killed once it runs no more engine tests
+
+
 class EnginePool:
     """The session's engines that live on, one per settings: the spec without steps, the
     environment, and a process name (a writer and a reader that never computed what it reads
@@ -48,6 +51,7 @@ class EnginePool:
     def __init__(self) -> None:
         self._engines: OrderedDict[str, Engine] = OrderedDict()
         self.starts = 0
+        POOLS.append(self)
 
     def run(self, model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
             process: str = "", **spec) -> list[dict]:
