@@ -1,6 +1,6 @@
 """How the bench starts its engine and server processes: `popen` is `subprocess.Popen`, unless
 `warm` has handed it a fork server (`forkserver.py`), which then starts each
-`python -m MODULE` it has imported as a fork in a second, not ten. The test suite does that
+`python -m MODULE` it has imported as a fork in seconds, not ten. The test suite does that
 for its session; the bench's own runs start cold, as a user's server does."""
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Ranks send JSON text to the parent over a pipe (progress, a result, or a one-line error); no user
 data is pickled. The parent returns the results in rank order or raises the root cause: the first
-error reported, or a rank that died without reporting. Children die with the parent (Linux
-PR_SET_PDEATHSIG), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
+error reported, or a rank that died without reporting. Children die with the parent (a thread
+waits on its pidfd), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
 before `launch` returns or raises. Each rank is a fork of multiprocessing's fork server, which
 imports torch once for all this process's launches (an interpreter start each would import it
 again); a rank takes the environment of the `launch` that started it, not the server's.
@@ -170,8 +170,9 @@ def _quiet_spawn() -> Iterator[None]:
     """Children start with one OpenMP thread and SIGINT ignored: Ctrl-C is the parent's to handle.
 
     The fork server starts within it, so it imports torch with one OpenMP thread, and, since an
-    ignored signal stays ignored across exec, no child of it prints a KeyboardInterrupt traceback. Only the main thread may change the handler; children
-    launched from another thread ignore SIGINT from _rank_main on.
+    ignored signal stays ignored across exec, no child of it prints a KeyboardInterrupt
+    traceback. Only the main thread may change the handler; children launched from another
+    thread ignore SIGINT from _rank_main on.
     """
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
