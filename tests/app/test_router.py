@@ -54,7 +54,7 @@ def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outl
     pytest.importorskip("dynamo.llm")
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     from hicache_async.app.bench.fleet_indexer import Indexer
-    from hicache_async.sim.ranks.launcher import free_port
+    from hicache_async.ports import free_port
 
     def stored(h, parent, tokens, medium):
         return kv_events.BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=tokens, block_size=BLOCK,

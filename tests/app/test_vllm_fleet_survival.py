@@ -34,7 +34,7 @@ from hicache_async.app.bench.vllm_engine import write_llama, write_tokenizer  # 
 from hicache_async.app.bench.vllm_fleet_figures import (  # noqa: E402
     BLOCK, DEVICE_BLOCKS, HOST_PAGES, LLAMA, MODEL_NAME, FleetServer)
 from hicache_async.app.router import POOL, healthy, post  # noqa: E402
-from hicache_async.sim.ranks.launcher import free_port  # noqa: E402
+from hicache_async.ports import free_port  # noqa: E402
 
 SHAPE = Shape(systems=2, system_tokens=256, sessions=5, turns=4, in_flight=2)
 KILL_AFTER = 7          # answers before A dies

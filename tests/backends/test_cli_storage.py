@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from hicache_mooncake import MooncakeMaster
-from hicache_mooncake.master import free_port
+from hicache_async.ports import free_port
 
 CLI = [str(Path(sys.executable).parent / "hicache-async")]
 if not Path(CLI[0]).exists():

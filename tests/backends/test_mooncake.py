@@ -6,7 +6,7 @@ import torch
 from hicache_mooncake import MooncakeMaster, MooncakeStorage
 from hicache_mooncake import adapter as adapter_module
 from hicache_mooncake.adapter import _runs
-from hicache_mooncake.master import free_port
+from hicache_async.ports import free_port
 
 from hicache_async.errors import StorageError
 from hicache_async.keys import make_key_scheme, page_hashes

@@ -17,7 +17,7 @@ import hicache_async
 PACKAGE = Path(hicache_async.__file__).parent
 GROUND = {f"hicache_async.{name}" for name in (
     "errors", "config", "layout", "request", "keys", "partition", "topology", "kinds", "clock", "events",
-    "pools", "daemon_threads", "faults", "fingerprint")}
+    "pools", "daemon_threads", "faults", "fingerprint", "ports")}
 
 
 def _module_name(path: Path) -> str:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hicache_async.sim.ranks.launcher import free_port
+from hicache_async.ports import free_port
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")

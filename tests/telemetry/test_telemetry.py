@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import pytest
 
 from hicache_async.errors import UsageError
+from hicache_async.ports import free_port
 from hicache_async.telemetry.sdk import _otlp_exporter, setup_telemetry
 from hicache_async.telemetry.spans import request_context, step_context
 
@@ -173,9 +173,7 @@ def test_sampler_from_env_is_honoured(otlp_receiver):
 
 
 def test_shutdown_is_bounded_when_the_collector_is_down():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
     run_ranks({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}, ranks=(0,), timeout=90)
     assert time.monotonic() - start < 12

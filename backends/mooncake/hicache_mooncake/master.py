@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from hicache_async.errors import StorageError, UsageError
+from hicache_async.ports import free_port
 
 
 def find_master_binary() -> str:
@@ -30,12 +31,6 @@ def find_master_binary() -> str:
         if c and Path(c).is_file():
             return str(c)
     raise StorageError("mooncake_master not found: install the mooncake extra (pip install 'hicache-async[mooncake]')")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_open(host: str, port: int, timeout_s: float) -> bool:

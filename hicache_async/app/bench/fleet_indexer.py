@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 from ...errors import HiCacheError
-from ...sim.ranks.launcher import die_with_parent, free_port
+from ...ports import free_port
+from ...sim.ranks.launcher import die_with_parent
 
 START_TIMEOUT_S = 60
 

@@ -29,7 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ...sim.ranks.launcher import die_with_parent, free_port
+from ...ports import free_port
+from ...sim.ranks.launcher import die_with_parent
 from . import launch
 from .figure import figure, skipped
 from .fleet_stream import Shape, play, stream

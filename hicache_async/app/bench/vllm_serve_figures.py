@@ -37,7 +37,8 @@ import urllib.request
 from pathlib import Path
 
 from ...errors import HiCacheError
-from ...sim.ranks.launcher import die_with_parent, free_port
+from ...ports import free_port
+from ...sim.ranks.launcher import die_with_parent
 from . import launch
 from .figure import figure, skipped
 from .vllm_engine import THREADS_BIND, pinned_threads

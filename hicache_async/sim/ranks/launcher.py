@@ -1,6 +1,7 @@
 """Run a target on tp x pp x cp simulated ranks: one OS process each, joined by gloo on loopback.
 
-Ranks send JSON text to the parent over a pipe (progress, a result, or a one-line error); no user
+The launcher hosts the ranks' rendezvous store itself, on a port the kernel gives it: a port
+picked here for rank 0 to bind later could be taken in between. Ranks send JSON text to the parent over a pipe (progress, a result, or a one-line error); no user
 data is pickled. The parent returns the results in rank order or raises the root cause: the first
 error reported, or a rank that died without reporting. Children die with the parent (a thread
 waits on its pidfd), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
@@ -18,14 +19,16 @@ import multiprocessing as mp
 import os
 import select
 import signal
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import torch.distributed as dist
 
 from ...errors import HiCacheError, UsageError
 from ...topology import RankCoords
@@ -63,11 +66,13 @@ def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: 
     for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
         if size < 1:
             raise UsageError(f"{name} must be >= 1, got {size}")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
     try:
         spec = json.dumps({
             "tp": tp, "pp": pp, "cp": cp, "target": target, "payload": payload,
             "timeout_s": timeout_s, "run_id": run_id or uuid.uuid4().hex[:12],
-            "init_method": f"tcp://127.0.0.1:{free_port()}", "parent_pid": os.getpid(),
+            "store_port": store.port, "parent_pid": os.getpid(),
             "env": {**os.environ, "OMP_NUM_THREADS": "1"},
         })
     except TypeError as exc:
@@ -189,12 +194,6 @@ def _quiet_spawn() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _exit_reason(code: int | None) -> str:
     if code is not None and code < 0:
         return f"killed by {signal.Signals(-code).name}"
@@ -214,9 +213,10 @@ def _rank_main(spec_text: str, rank: int, conn: Connection) -> None:
         conn.send_bytes(json.dumps(message).encode())
 
     try:
+        store = dist.TCPStore("127.0.0.1", spec["store_port"], None, False,
+                              timeout=timedelta(seconds=spec["timeout_s"]))
         result = run_target(spec["target"], coords, run_id=spec["run_id"], payload=spec["payload"],
-                            timeout_s=spec["timeout_s"], send=send,
-                            join={"init_method": spec["init_method"]})
+                            timeout_s=spec["timeout_s"], send=send, join={"store": store})
         send({"kind": "result", "data": result})
     except Exception as exc:
         send({"kind": "error", "type": type(exc).__name__, "message": one_line(coords, exc)})

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from hicache_async.app.bench import launch
-from hicache_async.sim.ranks.launcher import free_port
+from hicache_async.ports import free_port
 
 START_TIMEOUT_S = 400
 ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]

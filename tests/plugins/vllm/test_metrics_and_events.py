@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from hicache_async.sim.ranks.launcher import free_port
+from hicache_async.ports import free_port
 
 from .conftest import page_files
 from .servers import metric, serving
