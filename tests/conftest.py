@@ -78,6 +78,18 @@ def warm_starts(tmp_path_factory):
     server.close()
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Each test leaves the process's environment as it found it, whoever wrote to it. vLLM's
+    CPU platform, building a config in-process, puts its libgomp in LD_PRELOAD: every later
+    subprocess of that worker then loaded libgomp before it could choose OpenMP's wait policy."""
+    saved = dict(os.environ)
+    yield
+    for name in os.environ.keys() - saved.keys() - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[name]
+    os.environ.update({name: value for name, value in saved.items() if name != "PYTEST_CURRENT_TEST"})
+
+
 @pytest.fixture
 def restore_logging():
     """Give back the root logger and structlog as they were: telemetry set-up configures both."""

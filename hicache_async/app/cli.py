@@ -9,6 +9,7 @@ import sys
 from .. import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from ..errors import HiCacheError, UsageError
+from . import sleeping_workers
 from .hardware_flags import add_hardware_flags, hardware_model
 from .storage_flags import add_storage_flags, storage_options
 
@@ -230,6 +231,8 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:        # run as the command, not called in-process
+        sleeping_workers()
     try:
         ns = build_parser().parse_args(argv)
         faults.injected()       # an unknown fault name is a usage error before any work starts

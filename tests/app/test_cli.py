@@ -3,8 +3,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from hicache_async.app.cli import main
 
@@ -90,3 +92,26 @@ def test_the_cli_sends_torchs_idle_workers_to_sleep_unless_the_user_chose(chosen
     assert policy == (chosen or "PASSIVE")
     if not chosen:      # a spinning worker burns ~9 ms of the 50 ms here; a sleeping one nothing
         assert float(idle_cpu_ms) < 3, idle_cpu_ms
+
+
+def _preloaded_gomp_env() -> dict:
+    """What vLLM's CPU platform gives its children: torch's libgomp preloaded, read at start."""
+    libgomp = sorted(Path(torch.__file__).parent.glob("lib/libgomp*.so*"))
+    assert libgomp, "torch ships no libgomp here"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    return {**env, "LD_PRELOAD": str(libgomp[0])}
+
+
+def test_a_preloaded_libgomp_still_gets_sleeping_workers():
+    """Preloaded, libgomp read no policy (a spinning worker burns ~10 ms here): the command runs
+    itself afresh with one, as the first thing it does."""
+    burn = "import hicache_async.app as app\napp.sleeping_workers()\nprint(app.CHOSEN)" + _IDLE_BURN
+    proc = subprocess.run([sys.executable, "-c", burn], env=_preloaded_gomp_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rerun, policy, idle_cpu_ms = proc.stdout.split()
+    assert (rerun, policy) == ("True", "PASSIVE")   # the policy was in its environment from the start
+    assert float(idle_cpu_ms) < 3, idle_cpu_ms
+    cli = subprocess.run([sys.executable, "-m", "hicache_async", "simulate", "--tenants", "0"],
+                         env=_preloaded_gomp_env(), capture_output=True, text=True, timeout=120)
+    assert (cli.returncode, cli.stderr.count("\n")) == (2, 1) and "tenants" in cli.stderr, cli.stderr
