@@ -1,13 +1,14 @@
 """Run a target on tp x pp x cp simulated ranks: one OS process each, joined by gloo on loopback.
 
 The launcher hosts the ranks' rendezvous store itself, on a port the kernel gives it: a port
-picked here for rank 0 to bind later could be taken in between. Ranks send JSON text to the parent over a pipe (progress, a result, or a one-line error); no user
-data is pickled. The parent returns the results in rank order or raises the root cause: the first
-error reported, or a rank that died without reporting. Children die with the parent (a thread
-waits on its pidfd), ignore the terminal's Ctrl-C (the parent stops them), and are always stopped
-before `launch` returns or raises. Each rank is a fork of multiprocessing's fork server, which
-imports torch once for all this process's launches (an interpreter start each would import it
-again); a rank takes the environment of the `launch` that started it, not the server's.
+picked here for rank 0 to bind later could be taken in between. Ranks send JSON text to the
+parent over a pipe (progress, a result, or a one-line error); no user data is pickled. The
+parent returns the results in rank order or raises the root cause: the first error reported, or
+a rank that died without reporting. Children die with the parent (a thread waits on its pidfd),
+ignore the terminal's Ctrl-C (the parent stops them), and are always stopped before `launch`
+returns or raises. Each rank is a fork of multiprocessing's fork server, which imports torch
+once for all this process's launches (an interpreter start each would import it again); a rank
+takes the environment of the `launch` that started it, not the server's.
 """
 from __future__ import annotations
 
