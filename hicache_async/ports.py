@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 RESERVATIONS = os.path.join(tempfile.gettempdir(), "hicache-async-ports.json")
-HOLD_S = 600.0       # far longer than any server of ours takes to bind what it was given
+HOLD_S = 600.0       # a vLLM server binds before it builds its engine: its imports' time, far less
 LOWEST = 20000       # clear of servers' default ports and of those Mooncake picks for itself (15xxx)
 TRIES = 64
 _PICK = random.SystemRandom()  # the OS's entropy: forks of one process must not pick alike

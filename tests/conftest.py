@@ -1,6 +1,7 @@
 """Fixtures shared by several test modules, and the count of processes the suite starts."""
 import logging
 import os
+from unittest import mock
 
 import pytest
 import structlog
@@ -83,11 +84,8 @@ def restore_environment():
     """Each test leaves the process's environment as it found it, whoever wrote to it. vLLM's
     CPU platform, building a config in-process, puts its libgomp in LD_PRELOAD: every later
     subprocess of that worker then loaded libgomp before it could choose OpenMP's wait policy."""
-    saved = dict(os.environ)
-    yield
-    for name in os.environ.keys() - saved.keys() - {"PYTEST_CURRENT_TEST"}:
-        del os.environ[name]
-    os.environ.update({name: value for name, value in saved.items() if name != "PYTEST_CURRENT_TEST"})
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture

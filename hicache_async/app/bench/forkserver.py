@@ -1,13 +1,14 @@
 """A process that imports vLLM once, then forks each `python -m MODULE ARGS` asked of it.
 
-An engine or server process spends most of its start importing vLLM (about three quarters of
-a cold engine start, profiled on two cores); a fork of a process that has done so starts in the rest. Each child is still a
-process of its own: its pid, its session if asked, its environment, working directory and
-standard streams (passed over the socket), and it exits through interpreter shutdown as a
-fresh process does (atexit handlers, our connector's flush). Single-threaded, so that
-forking it is safe: one select loop accepts requests and reaps children, answering each
-request's connection with the child's pid and later its exit code (negative: the signal).
-It exits when its stdin closes (its parent died); its children then get SIGTERM.
+An engine or server process spends most of its start importing vLLM (about three quarters of a
+cold engine start, profiled on two cores); a fork of a process that has done so starts in the
+rest. Each child is still a process of its own: its pid, its session if asked, its environment,
+working directory and standard streams (passed over the socket), and it exits through
+interpreter shutdown as a fresh process does (atexit handlers, our connector's flush).
+Single-threaded, so that forking it is safe: one select loop accepts requests and reaps
+children, answering each request's connection with the child's pid and later its exit code
+(negative: the signal). It exits when its stdin closes (its parent died); its children then get
+SIGTERM.
 
 `python -m hicache_async.app.bench.forkserver SOCKET MODULE...` imports the modules, says
 `ready` on stdout and serves `launch.WarmStarts` on SOCKET.

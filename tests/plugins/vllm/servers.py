@@ -34,7 +34,7 @@ class Server:
                "--kv-cache-memory-bytes", str(KV_BYTES), *args]
         with open(log, "wb") as out:
             self.proc = launch.popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Server:
         deadline = time.monotonic() + timeout
