@@ -15,6 +15,11 @@ class UsageError(HiCacheError):
     """Bad flags or configuration; the message names the bad value."""
 
 
+class EngineMissing(UsageError):
+    """An engine's integration was asked for where the engine is not installed; the message
+    names the extra that installs it (the integration knows it, the core names no engine)."""
+
+
 class PoolExhausted(HiCacheError):
     """A pool cannot hand out the pages asked for, even after eviction."""
 

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The checks only a CUDA machine can run, in one command of under five minutes, each step
-# logged into OUTDIR: every CUDA test (a failing test never stops the others), the slot state
-# machine with its KV, streams and events on the GPU, and `bench --only gpu-copies` (its
-# figures in OUTDIR/gpu_copies.json). Exits 1 if any step failed. Without CUDA it says so in
-# one line and exits 0.
+# logged into OUTDIR: first the same copy code over the simulated device (the CPU result a
+# device run starts from), then every CUDA test (a failing step never stops the others), the
+# slot state machine with its KV, streams and events on the GPU, and `bench --only gpu-copies`
+# (its figures in OUTDIR/gpu_copies.json). Exits 1 if any step failed. Without CUDA it says so
+# in one line and exits 0.
 #
 #   scripts/gpu_check.sh OUTDIR
 #
 # On a bare device machine (torch, CUDA and cuda-bindings, none of our other dependencies):
-# lay out .gpu/ with /work/shared/gpu/prepare.sh (adding `tqdm lazy_loader` if the machine
-# lacks them), then run `bash .gpu/run.sh bash scripts/gpu_check.sh OUT` carrying .gpu.
+# lay out .gpu/ with ../shared/gpu/prepare.sh (relative to the project root; adding `tqdm
+# lazy_loader` if the machine lacks them), then run `bash .gpu/run.sh bash scripts/gpu_check.sh
+# OUT` carrying .gpu.
 set -u
 out=${1:?usage: scripts/gpu_check.sh OUTDIR}
 cd "$(dirname "$0")/.."
@@ -48,6 +50,9 @@ step() {     # step NAME SECONDS COMMAND...: run it under a time limit into OUTD
     tail -n 25 "$out/$name.log" | sed 's/^/    /'
 }
 
+step sim_device_tests 90 "$py" -m pytest -q -ra -p no:cacheprovider tests/transfer/test_sim_device.py \
+    tests/transfer/test_sim_stream_copies.py tests/transfer/test_stream_copies.py \
+    tests/plugins/vllm/test_slot_interleavings.py -k "not test_slot_interleavings or simulated"
 step cuda_tests 110 "$py" -m pytest -v -ra -p no:cacheprovider tests/transfer/test_cuda.py
 step slot_interleavings_cuda 70 env HICACHE_TEST_DEVICE=cuda "$py" -m pytest -v -ra -p no:cacheprovider \
     tests/plugins/vllm/test_slot_interleavings.py

@@ -6,12 +6,12 @@ from unittest import mock
 import pytest
 import structlog
 
-from hicache_async.app.bench import launch
+from hicache_vllm.bench import launch
 from tests.helpers import starts
 from tests.helpers.otlp_receiver import OTLPReceiver
 
 
-ENGINE_TESTS = ("tests/plugins/vllm/", "tests/app/test_vllm_")
+ENGINE_TESTS = ("tests/plugins/vllm/",)
 
 
 def pytest_collection_modifyitems(items):
@@ -72,7 +72,7 @@ def count_process_starts():
 def warm_starts(tmp_path_factory):
     """vLLM engines and servers start as forks of one process that has imported vLLM
     (`launch.warm`): seconds a start, not ten; the fork server starts with the first of them."""
-    server = launch.warm(("hicache_async.app.bench.vllm_engine", "vllm.entrypoints.openai.api_server"),
+    server = launch.warm(("hicache_vllm.bench.engine", "vllm.entrypoints.openai.api_server"),
                          ("vllm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server"),
                          {**os.environ, "HF_HUB_OFFLINE": "1"}, tmp_path_factory.getbasetemp() / "forkserver.log")
     yield server

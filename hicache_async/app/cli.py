@@ -1,4 +1,5 @@
-"""`hicache-async`: simulate, replay, bench and route. Usage errors exit 2 with one line; failures exit 1."""
+"""`hicache-async`: simulate, replay, bench, and the commands installed packages add (`route`).
+Usage errors exit 2 with one line; failures exit 1."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from .. import faults
 from ..config import CP_MODES, KEY_SCHEMES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 from ..errors import HiCacheError, UsageError
 from . import sleeping_workers
+from .extensions import COMMANDS, installed
 from .hardware_flags import add_hardware_flags, hardware_model
 from .storage_flags import add_storage_flags, storage_options
 
@@ -117,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument("--only", metavar="NAME", action="append", help="run only these figures")
-    from .router import add_route_flags
-    add_route_flags(sub.add_parser("route", help="route requests to vLLM servers by what their tiers hold"))
+    for name, ep in installed(COMMANDS).items():
+        command = ep.load()
+        p = sub.add_parser(name, help=command.help)
+        command.add_flags(p)
+        p.set_defaults(installed_command=command.run)
     return parser
 
 
@@ -238,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         faults.injected()       # an unknown fault name is a usage error before any work starts
         if ns.command == "bench":
             return _bench(ns)
-        if ns.command == "route":
-            from .router import serve
-            return serve(ns)
+        if hasattr(ns, "installed_command"):
+            return ns.installed_command(ns)
         from ..sim.ranks.torchrun import lead_or_follow  # under torchrun this process is one rank
         return lead_or_follow(lambda: {"simulate": _simulate, "replay": _replay}[ns.command](ns))
     except UsageError as exc:

@@ -6,9 +6,11 @@ logical order. A layer's blocks are viewed as (blocks, runs..., run): each block
 its bytes lie in (`block_runs`), strided over the engine's memory, against the same shape
 over the host pool.
 
-On CUDA every byte moves by DMA on the copy engines (`StreamCopies`: a load and a save
+On a device every byte moves by DMA on the copy engines (`StreamCopies`: a load and a save
 stream, the batches issued by a thread of each direction, a load landing a layer at a time;
-its module says what orders the two streams). On CPU, where one set of cores does both, the
+its module says what orders the two streams): the KV's CUDA device, or a device given, such as
+the simulated one (`sim_device`) that runs the same code over CPU tensors. On CPU, where one
+set of cores does both, the
 index kernels (`IndexPlan`) move a layer of a step's blocks in one gather or scatter, or a
 gather and a scatter through a stage, whatever the block count: a load's layer is copied
 when its attention asks, a save at once.
@@ -24,6 +26,7 @@ import torch
 from ..errors import UsageError
 from ..events import CompletionEvent, HostEvent
 from ..pools import HostPool
+from .device import CudaDevice, Device
 from .dma_plan import DmaPlan, Runs, block_runs
 from .index_plan import WORDS, IndexPlan
 from .stream_copies import StreamCopies, done
@@ -37,11 +40,13 @@ class BlockCopies:
     """vLLM's per-layer KV block tensors <-> host pool pages (HostPool: tensor[page, layer] is
     one block of that layer in vLLM's logical [heads, tokens, content] order).
 
-    `load` and `save` return an event; a failed copy (a thread raised, a CUDA error, a CUDA
+    `load` and `save` return an event; a failed copy (a thread raised, a device error, a CUDA
     graph being captured) completes it with `error` set and never raises."""
 
-    def __init__(self, kv: list[torch.Tensor], host: HostPool) -> None:
-        """`kv`: per layer, the logical [blocks, heads, tokens, content] view, any strides."""
+    def __init__(self, kv: list[torch.Tensor], host: HostPool, device: Device | None = None) -> None:
+        """`kv`: per layer, the logical [blocks, heads, tokens, content] view, any strides;
+        `device`: the copy engines' (owned from here on), by default the KV's CUDA device, and
+        none (the CPU kernels) for KV on the CPU."""
         if not kv:
             raise UsageError("no KV cache layers to copy")
         pool = host.tensor
@@ -51,15 +56,18 @@ class BlockCopies:
                              f"{tuple(kv[0].shape)} {kv[0].dtype}: expected (pages, {len(kv)}, "
                              f"{', '.join(map(str, kv[0].shape[1:]))})")
         self.host, self.layers = host, len(kv)
-        self.cuda = kv[0].is_cuda
+        if device is None and kv[0].is_cuda:
+            device = CudaDevice(kv[0].device)
+        self.streamed = device is not None
+        """Whether copies run on a device's streams (landing later than issued)."""
         self.num_blocks = kv[0].shape[0]
         if any(t.shape != kv[0].shape or t.dtype != kv[0].dtype for t in kv):
             raise UsageError(f"KV cache layers differ: {sorted({(tuple(t.shape), str(t.dtype)) for t in kv})}")
         runs = [block_runs(layer, t) for layer, t in enumerate(kv)]
         if len({(sizes, run) for sizes, _, run in runs}) > 1:
             raise UsageError(f"KV cache layers lie in different runs: {sorted({r[::2] for r in runs})}")
-        if self.cuda:
-            self._streams = StreamCopies(DmaPlan(kv, runs, host), host, kv[0].device, len(kv))
+        if device is not None:
+            self._streams = StreamCopies(DmaPlan(kv, runs, host), host, device, len(kv))
             return
         sizes, _, run = runs[0]
         views = [(_strided(t, r), pool[:, layer].view(pool.shape[0], *sizes, run))
@@ -72,11 +80,11 @@ class BlockCopies:
         self._loaded = done()                # set once every layer of the current loads landed
 
     def load(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
-        """Host pages -> blocks, every layer, after the current loads. CUDA: handed to the load
+        """Host pages -> blocks, every layer, after the current loads. Device: handed to the load
         thread, an event a layer; CPU: each layer is copied when `wait_layer` asks. The event
         is done with the last layer."""
         self._check(slots, blocks, written="block")
-        if self.cuda:
+        if self.streamed:
             return self._streams.load(slots, blocks)
         self.wait_loads()
         if not slots:
@@ -87,10 +95,10 @@ class BlockCopies:
         return self._loaded
 
     def wait_layer(self, layer: int) -> None:
-        """Before the layer's attention: CUDA, the compute stream waits on its loads (once the
+        """Before the layer's attention: device, the compute stream waits on its loads (once the
         load thread has issued them, at most `stream_copies.ISSUE_TIMEOUT_S`); CPU, they are
         copied now."""
-        if self.cuda:
+        if self.streamed:
             self._streams.wait_layer(layer)
             return
         if layer not in self._pending:
@@ -102,9 +110,9 @@ class BlockCopies:
             self._loaded.set()
 
     def wait_loads(self) -> None:
-        """Every layer of the current loads landed (CUDA: for the compute stream), those the
+        """Every layer of the current loads landed (device: for the compute stream), those the
         forward pass never asked for included."""
-        if self.cuda:
+        if self.streamed:
             self._streams.wait_loads()
             return
         for layer in list(self._pending):
@@ -112,12 +120,12 @@ class BlockCopies:
 
     def save(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
         """Blocks -> host pages, every layer, behind the current loads; a reader of the slots
-        waits for the event. CUDA: records where the compute stream is and returns, the copies
+        waits for the event. Device: records where the compute stream is and returns, the copies
         issued behind it by the save thread; CPU: copied on return."""
         self._check(slots, blocks, written="host slot")
         if not slots:
             return done()
-        if self.cuda:
+        if self.streamed:
             return self._streams.save(slots, blocks)
         self.wait_loads()       # a block loaded this step may be saved: its bytes first
         plan = IndexPlan.of(blocks, slots, self._kv[0], _STAGE_BYTES)
@@ -129,13 +137,13 @@ class BlockCopies:
         """The compute stream waits for every save handed over so far (before a preempted
         request's blocks go to another): the CPU waits only until their copies are issued, at
         most `timeout_s`, then CopyFailed names the wait. CPU: nothing to wait for."""
-        if self.cuda:
+        if self.streamed:
             self._streams.fence_saves(timeout_s)
 
     def close(self) -> None:
         """Finishes what was handed over (CPU: the current loads' layers), stops the copy
         threads and waits for both streams; once."""
-        if self.cuda:
+        if self.streamed:
             self._streams.close()
         else:
             self.wait_loads()

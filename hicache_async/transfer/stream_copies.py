@@ -23,21 +23,27 @@ handed over before it. What does, instead:
   request's blocks, once `fence_saves` has put the compute stream behind them; a load's
   stream waits on where the compute stream was when it was handed over.
 
+A batch refused part-way may have queued its first copies, and an op's later batches may
+have queued more: the op's thread then records one more event after all of them, and the op
+fails only once that event passed (a load's layers not landed wait on it too), so no slot is
+reported free while a copy may still write it.
+
 No copy is issued while the caller's stream captures a CUDA graph (the batch call is refused
-there): such a load or save completes at once, failed.
+there): such a load or save completes at once, failed. The device is a seam (`device.py`):
+CUDA, or the simulated device the CPU tests run this very code over.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import torch
+from typing import NamedTuple
 
 from ..errors import UsageError
 from ..events import CompletionEvent, HostEvent
 from ..pools import HostPool
 from .copier import CopyFailed
-from .dma import CudaDma
+from .device import Device, Event, SourceOrder
 from .dma_plan import DmaPlan
 
 ISSUE_TIMEOUT_S = 30.0      # the most `wait_layer` waits for a layer's copies to be issued
@@ -46,21 +52,20 @@ ISSUE_TIMEOUT_S = 30.0      # the most `wait_layer` waits for a layer's copies t
 class StreamCopies:
     """DMA between a device's per-layer KV blocks and a pinned host pool (see the module)."""
 
-    def __init__(self, plan: DmaPlan, host: HostPool, device: torch.device, layers: int) -> None:
-        if not host.tensor.is_pinned():
+    def __init__(self, plan: DmaPlan, host: HostPool, device: Device, layers: int) -> None:
+        """`device` owned from here on: `close` closes it."""
+        if not device.pinned(host):
             raise UsageError("the host pool must be pinned for device copies: create it after the rank's CUDA "
                              "device is set")
-        self.plan, self.layers = plan, layers
-        self.dma = CudaDma(device)
-        self.dma.check_host_pointers()
-        self.device = torch.device("cuda", self.dma.index)
-        self._streams = {kind: torch.cuda.Stream(device=self.device) for kind in ("load", "save")}
-        self._threads = {kind: ThreadPoolExecutor(1, thread_name_prefix=f"hicache-{kind}", initializer=self.dma.bind)
+        device.check_host_pointers()
+        self.plan, self.layers, self.device = plan, layers, device
+        self._streams = {kind: device.stream() for kind in ("load", "save")}
+        self._threads = {kind: ThreadPoolExecutor(1, thread_name_prefix=f"hicache-{kind}", initializer=device.bind)
                          for kind in ("load", "save")}
         self._landing: _Landing | None = None     # the current loads' layers, as the load thread records them
         self._pending: list[int] = []             # their layers the compute stream has not waited on
         self._saving: Future | None = None        # the last save handed to the save thread
-        self._saved: torch.cuda.Event | None = None   # the last save's event its thread recorded
+        self._saved: Event | None = None          # the last save's last event its thread recorded
         self._closed = False
 
     def load(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
@@ -87,11 +92,11 @@ class StreamCopies:
 
     def wait_layer(self, layer: int) -> None:
         """Nothing while a graph is captured: its recorded wait would outlive this load."""
-        if layer not in self._pending or torch.cuda.is_current_stream_capturing():
+        if layer not in self._pending or self.device.capturing():
             return
         landed = self._landing.recorded(layer, ISSUE_TIMEOUT_S)
         if landed is not None:
-            torch.cuda.current_stream(self.device).wait_event(landed)
+            self.device.current_stream().wait_event(landed)
         self._pending.remove(layer)
 
     def wait_loads(self) -> None:
@@ -103,15 +108,16 @@ class StreamCopies:
     def fence_saves(self, timeout_s: float) -> None:
         """The compute stream waits for every save handed over so far; the CPU waits only until
         their copies are issued, at most `timeout_s`."""
-        if self._saving is None or torch.cuda.is_current_stream_capturing():
+        if self._saving is None or self.device.capturing():
             return
         if not wait([self._saving], timeout=timeout_s).done:
             raise CopyFailed(f"fence_saves: the saves handed over were not issued within {timeout_s} s")
         if self._saved is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._saved)
+            self.device.current_stream().wait_event(self._saved)
 
     def close(self) -> None:
-        """Issues what was handed over, stops the threads, and waits for both streams."""
+        """Issues what was handed over, stops the threads, waits for both streams and closes the
+        device."""
         if self._closed:
             return
         self._closed = True
@@ -119,11 +125,12 @@ class StreamCopies:
             thread.shutdown(wait=True)
         for stream in self._streams.values():
             stream.synchronize()
+        self.device.close()
 
     def _refused(self, what: str) -> HostEvent | None:
         """None once the compute stream waits on the current loads; a failed event instead
         while a graph is captured or if their copies were never issued."""
-        if torch.cuda.is_current_stream_capturing():
+        if self.device.capturing():
             return _failed(f"{what} refused: a CUDA graph is being captured")
         try:
             self.wait_loads()
@@ -134,8 +141,8 @@ class StreamCopies:
     def _hand_over(self, kind: str, issue, *args) -> Future:
         """The op to its direction's thread, behind the compute stream's work so far; a refused
         hand-over (closed, or a thread that could not start) is a failed future."""
-        after = torch.cuda.Event()
-        after.record(torch.cuda.current_stream(self.device))
+        after = self.device.event()
+        after.record(self.device.current_stream())
         try:
             return self._threads[kind].submit(issue, after, *args)
         except RuntimeError as exc:
@@ -143,62 +150,88 @@ class StreamCopies:
             refused.set_exception(exc)
             return refused
 
-    def _issue_load(self, after: torch.cuda.Event, landing: _Landing, slots: list[int],
-                    blocks: list[int]) -> torch.cuda.Event:
-        """The load thread: a batch and an event a layer."""
+    def _issue_load(self, after: Event, landing: _Landing, slots: list[int], blocks: list[int]) -> _Outcome:
+        """The load thread: a batch and an event a layer. Nothing writes a host slot while its
+        load reads it (the slot rules), so the batch may read its sources in any order."""
         stream = self._streams["load"]
         stream.wait_event(after)
-        for copy in self.plan.layers(slots, blocks, load=True):
-            self.dma.copy(copy, stream)
-            landed = torch.cuda.Event()
-            landed.record(stream)
-            landing.record(landed)
-        return landed
+        try:
+            for copy in self.plan.layers(slots, blocks, load=True):
+                self.device.copy(copy, stream, SourceOrder.ANY)
+                landing.record(self._after(stream))
+        except Exception as exc:    # noqa: BLE001 - the op fails once what was queued has passed
+            return _Outcome(self._after(stream), exc)
+        return _Outcome(landing.last, None)
 
-    def _issue_save(self, after: torch.cuda.Event, slots: list[int], blocks: list[int]) -> torch.cuda.Event:
-        """The save thread: one batch over every layer, behind the blocks as the forward pass left them."""
+    def _issue_save(self, after: Event, slots: list[int], blocks: list[int]) -> _Outcome:
+        """The save thread: one batch over every layer, behind the blocks as the forward pass
+        left them, read in stream order."""
         stream = self._streams["save"]
         stream.wait_event(after)
-        self.dma.copy(self.plan.whole(slots, blocks, load=False), stream)
-        saved = torch.cuda.Event()
-        saved.record(stream)
-        self._saved = saved
-        return saved
+        failure = None
+        try:
+            self.device.copy(self.plan.whole(slots, blocks, load=False), stream, SourceOrder.STREAM)
+        except Exception as exc:    # noqa: BLE001 - the op fails once what was queued has passed
+            failure = exc
+        self._saved = self._after(stream)
+        return _Outcome(self._saved, failure)
+
+    def _after(self, stream) -> Event:
+        """An event after everything queued on `stream` so far."""
+        event = self.device.event()
+        event.record(stream)
+        return event
+
+
+class _Outcome(NamedTuple):
+    """What an op's thread queued: the event after all of it, and why it stopped short if it did."""
+
+    last: Event | None
+    failure: Exception | None
 
 
 class _Landing:
     """A load's per-layer events as its thread records them, for the forward pass to wait on."""
 
     def __init__(self) -> None:
-        self._events: list[torch.cuda.Event] = []
-        self._failed = False
+        self._events: list[Event] = []
+        self._settled = False
+        self._end: Event | None = None        # a failed load's event after all it queued
         self._changed = threading.Condition()
 
-    def record(self, landed: torch.cuda.Event) -> None:
+    @property
+    def last(self) -> Event:
+        return self._events[-1]
+
+    def record(self, landed: Event) -> None:
         with self._changed:
             self._events.append(landed)
             self._changed.notify_all()
 
     def settle(self, issued: Future) -> None:
-        """Once the thread is done: a failure wakes the waiters (its layers will never be recorded)."""
-        if issued.exception() is not None:
+        """Once the thread is done: a failure wakes the waiters (its later layers will never be
+        recorded), leaving them the event after what it did queue, if any."""
+        failed = issued.exception() is not None or issued.result().failure is not None
+        if failed:
             with self._changed:
-                self._failed = True
+                self._settled = True
+                self._end = None if issued.exception() is not None else issued.result().last
                 self._changed.notify_all()
 
-    def recorded(self, layer: int, timeout_s: float) -> torch.cuda.Event | None:
-        """The layer's event once recorded; None if the load failed before it was."""
+    def recorded(self, layer: int, timeout_s: float) -> Event | None:
+        """The layer's event once recorded; if the load failed before it was, the event after
+        every copy it queued (None if it queued none)."""
         if layer < len(self._events):
             return self._events[layer]
         with self._changed:
-            if not self._changed.wait_for(lambda: layer < len(self._events) or self._failed, timeout_s):
+            if not self._changed.wait_for(lambda: layer < len(self._events) or self._settled, timeout_s):
                 raise CopyFailed(f"load: layer {layer}'s copies were not issued within {timeout_s} s")
-            return self._events[layer] if layer < len(self._events) else None
+            return self._events[layer] if layer < len(self._events) else self._end
 
 
 class _Issued(CompletionEvent):
-    """A CUDA op: done once its thread has issued its copies and its last event has passed;
-    failed if the thread raised or the device reports an error."""
+    """A device op: done once its thread is done and the event after all it queued passed;
+    failed if its thread raised or stopped short, or the device reports an error."""
 
     def __init__(self, issued: Future, what: str) -> None:
         self._issued, self._what = issued, what
@@ -208,12 +241,15 @@ class _Issued(CompletionEvent):
             return False
         if self.error is not None:
             return True
-        failure = self._issued.exception()
         try:
-            if failure is None:
-                return self._issued.result().query()
-        except RuntimeError as exc:         # an asynchronous CUDA error, raised by the query
+            outcome = self._issued.result()
+            if outcome.last is not None and not outcome.last.query():
+                return False
+            failure = outcome.failure
+        except Exception as exc:    # noqa: BLE001 - the thread's, or an asynchronous device error the query raised
             failure = exc
+        if failure is None:
+            return True
         self.error = CopyFailed(f"{self._what} failed: {type(failure).__name__}: {failure}")
         return True
 

@@ -12,9 +12,9 @@ STARTS: Counter[str] = Counter()
 
 NAMES = {   # a module (`python -m M`) or a program, as the summary names it
     "hicache_async": "hicache-async CLI", "hicache-async": "hicache-async CLI",
-    "hicache_async.app.bench.vllm_engine": "vLLM engine", "vllm.entrypoints.openai.api_server": "vLLM server",
+    "hicache_vllm.bench.engine": "vLLM engine", "vllm.entrypoints.openai.api_server": "vLLM server",
     "dynamo.indexer": "Dynamo indexer", "hicache_mooncake.holder": "Mooncake segment holder",
-    "hicache_async.app.bench.forkserver": "fork server",
+    "hicache_vllm.bench.forkserver": "fork server",
 }
 
 

@@ -33,21 +33,10 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def rank_children() -> list[int]:
-    """Live spawn children of this test process (the resource tracker is not a rank)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"spawn_main" in cmdline and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+def running(pids: dict[int, int]) -> list[int]:
+    """The ranks (of `launch`'s on_start pids) whose process still runs. No wait: `launch`
+    stops every rank before it returns or raises, so none may outlive it, even for a moment."""
+    return [rank for rank, pid in pids.items() if alive(pid)]
 
 
 def wait_until_dead(pids: list[int], timeout_s: float) -> list[int]:
@@ -58,12 +47,14 @@ def wait_until_dead(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def test_single_rank_still_runs_in_a_process():
+    pids: dict[int, int] = {}
     [result] = launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:report_groups",
-                      payload={"x": [1, 2]}, run_id="run-7")
+                      payload={"x": [1, 2]}, run_id="run-7", on_start=pids.__setitem__)
     assert result == {"rank": 0, "tp": None, "cp": None, "stage": None, "agree": None,
                       "prev": None, "next": None, "last_root": 0, "first": True, "last": True,
                       "tp_sum": 1, "run_id": "run-7", "payload": {"x": [1, 2]}}
-    assert rank_children() == []
+    assert list(pids) == [0] and pids[0] != os.getpid()
+    assert running(pids) == []
 
 
 @pytest.mark.parametrize("tp,pp,cp,expected", [
@@ -99,39 +90,36 @@ def test_killed_rank_is_named_and_the_others_stopped():
     killed_at: list[float] = []
 
     def on_progress(info: dict) -> None:
-        pids[info["rank"]] = info["pid"]
         if info["rank"] == 1:
             os.kill(info["pid"], signal.SIGKILL)
             killed_at.append(time.monotonic())
 
     with pytest.raises(HiCacheError) as caught:
         launch(tp=3, pp=1, cp=1, target="tests.helpers.rank_targets:all_reduce_until_killed", payload={},
-               timeout_s=30, on_progress=on_progress)
+               timeout_s=30, on_progress=on_progress, on_start=pids.__setitem__)
     assert time.monotonic() - killed_at[0] < 20
     assert str(caught.value) == "rank 1 (tp1 pp0 cp0) died without reporting (killed by SIGKILL)"
-    assert wait_until_dead(list(pids.values()), 1.0) == []
-    assert rank_children() == []
+    assert len(pids) == 3 and running(pids) == []
 
 
 def test_hanging_rank_times_out_the_others():
-    pids: list[int] = []
+    pids: dict[int, int] = {}
     start = time.monotonic()
     with pytest.raises(SyncTimeout) as caught:
         launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:one_rank_hangs",
-               payload={"hang_rank": 1, "hang_s": 60}, timeout_s=2,
-               on_progress=lambda info: pids.append(info["pid"]))
+               payload={"hang_rank": 1, "hang_s": 60}, timeout_s=2, on_start=pids.__setitem__)
     assert time.monotonic() - start < 30
     assert str(caught.value) == "rank 0 (tp0 pp0 cp0): hang-test all_reduce: not complete after 2 s"
-    assert len(pids) == 2 and wait_until_dead(pids, 1.0) == []
-    assert rank_children() == []
+    assert len(pids) == 2 and running(pids) == []
 
 
 def test_usage_error_keeps_its_type_and_message():
+    pids: dict[int, int] = {}
     with pytest.raises(UsageError) as caught:
         launch(tp=2, pp=1, cp=1, target="tests.helpers.rank_targets:one_rank_misconfigured",
-               payload={"bad_rank": 1}, timeout_s=30)
+               payload={"bad_rank": 1}, timeout_s=30, on_start=pids.__setitem__)
     assert str(caught.value) == "rank 1 (tp1 pp0 cp0): --device-pages must be > 0, got 0"
-    assert rank_children() == []
+    assert len(pids) == 2 and running(pids) == []
 
 
 def test_bad_target_is_a_usage_error():
@@ -147,11 +135,13 @@ def test_foreign_error_becomes_hicache_error_naming_its_class():
 
 
 def test_deadline_bounds_the_whole_run():
+    pids: dict[int, int] = {}
     start = time.monotonic()
     with pytest.raises(HiCacheError, match="deadline of 8 s"):
-        launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:sleep_forever", payload={}, deadline_s=8)
+        launch(tp=1, pp=1, cp=1, target="tests.helpers.rank_targets:sleep_forever", payload={}, deadline_s=8,
+               on_start=pids.__setitem__)
     assert time.monotonic() - start < 15
-    assert rank_children() == []
+    assert len(pids) == 1 and running(pids) == []
 
 
 def test_awaited_all_reduce_costs_about_a_blocking_one():

@@ -1,6 +1,7 @@
 """BlockCopies on CPU: byte-exact round trips between strided per-layer block tensors and host
-pages in every physical order vLLM 0.32 lays a layer out in, the refusal of token-major
-blocks, and a step's copy calls not growing with its block count."""
+pages in every physical order vLLM 0.32 lays a layer out in, by the CPU kernels and by the
+device branch over the simulated device (DMA descriptors landing later than issued), the
+refusal of token-major blocks, and a step's copy calls not growing with its block count."""
 from __future__ import annotations
 
 from collections import Counter
@@ -10,7 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hicache_async.errors import UsageError
+from hicache_async.pools import HostPool
 from hicache_async.transfer.block_copies import BlockCopies
+from hicache_async.transfer.sim_device import SimDevice
 from tests.helpers.block_round_trips import (BLOCKS, CONTENTS, LAYERS, ORDERS, TOKEN_MAJOR, Blocks,
                                              assert_round_trip, bits, movable_layouts)
 
@@ -29,6 +32,27 @@ PATTERNS = {
 @pytest.mark.parametrize("slots,moved", PATTERNS.values(), ids=PATTERNS.keys())
 def test_blocks_round_trip_byte_for_byte(blocks, slots, moved):
     assert_round_trip(blocks.raw, blocks.layers, slots, moved, targets=[(b + 1) % BLOCKS for b in moved[::-1]])
+
+
+def _simulated(kv: list[torch.Tensor], host: HostPool) -> BlockCopies:
+    device = SimDevice(seed=1, max_delay_s=2e-4)
+    device.register(host)
+    return BlockCopies(kv, host, device=device)
+
+
+@pytest.mark.parametrize("blocks", movable_layouts().values(), ids=movable_layouts().keys())
+@pytest.mark.parametrize("slots,moved", [PATTERNS["one"], PATTERNS["scattered"]], ids=["one", "scattered"])
+def test_blocks_round_trip_byte_for_byte_on_the_simulated_device(blocks, slots, moved):
+    assert_round_trip(blocks.raw, blocks.layers, slots, moved, targets=[(b + 1) % BLOCKS for b in moved[::-1]],
+                      copies_of=_simulated)
+
+
+@pytest.mark.parametrize("blocks", movable_layouts().values(), ids=movable_layouts().keys())
+def test_blocks_round_trip_on_the_simulated_device_across_a_registrations_end(blocks):
+    """The smallest registrations the pool allows, every block into consecutive slots across
+    the end of the first: the device refuses a descriptor spanning two."""
+    assert_round_trip(blocks.raw, blocks.layers, list(range(10, 10 + BLOCKS)), list(range(BLOCKS)),
+                      targets=list(range(BLOCKS - 1, -1, -1)), copies_of=_simulated, chunk_bytes=1)
 
 
 @pytest.mark.parametrize("name", sorted(TOKEN_MAJOR))

@@ -1,5 +1,7 @@
 """The CUDA path: copy streams, real torch.cuda.Events, pinned host memory, DMA on the copy
-engines. Skips without a GPU (scripts/gpu_check.sh runs it on one)."""
+engines, all through the device seam's CUDA side (`CudaDevice`; the same code runs over the
+simulated device in test_sim_stream_copies.py). Skips without a GPU (scripts/gpu_check.sh
+runs it on one)."""
 import asyncio
 import time
 
@@ -11,6 +13,7 @@ from hicache_async.pools import DevicePool, HostPool
 from hicache_async.transfer import stream_copies
 from hicache_async.transfer.block_copies import BlockCopies
 from hicache_async.transfer.copier import Copier, CopyFailed
+from hicache_async.transfer.device import CudaDevice
 from tests.helpers.block_round_trips import (BLOCKS, ORDERS, Blocks, assert_round_trip, bits, host_pool,
                                              movable_layouts)
 from tests.helpers.layouts import LAYOUT
@@ -107,7 +110,7 @@ def test_a_pool_of_registrations_of_a_page_or_two_round_trips_by_dma(name, pages
 
 def _one_by_one(kv, host) -> BlockCopies:
     copies = BlockCopies(kv, host)
-    copies._streams.dma._batch = None           # as where the driver has no cuMemcpyBatchAsync
+    copies._streams.device.dma._batch = None    # as where the driver has no cuMemcpyBatchAsync
     return copies
 
 
@@ -142,6 +145,7 @@ def _settled(event, timeout_s: float = 30) -> None:
 
 def test_a_save_returns_before_the_compute_stream_is_done_and_copies_what_it_wrote():
     kv, host, copies = _copies()
+    assert isinstance(copies._streams.device, CudaDevice)
     _busy_compute()
     for t in kv:
         t[3].fill_(7)                       # the value the save must see
@@ -253,18 +257,18 @@ def test_no_copy_is_issued_while_a_cuda_graph_is_captured():
 
 def test_a_failed_copy_completes_its_event_with_the_error_and_the_threads_go_on():
     kv, host, copies = _copies()
-    real = copies._streams.dma.copy
+    real = copies._streams.device.copy
 
-    def refused(copy, stream):
+    def refused(copy, stream, order):
         raise RuntimeError("injected DMA failure")
-    copies._streams.dma.copy = refused
+    copies._streams.device.copy = refused
     saved, loaded = copies.save([1], [3]), copies.load([4], [6])
     copies.wait_layer(0)                    # the load failed: nothing to wait for, and no raise into the caller
     copies.wait_loads()
     for event in (saved, loaded):
         _settled(event)
         assert isinstance(event.error, CopyFailed) and "injected DMA failure" in str(event.error)
-    copies._streams.dma.copy = real
+    copies._streams.device.copy = real
     saved = copies.save([1], [3])
     _settled(saved)
     assert saved.error is None and torch.equal(bits(host.tensor[1, 0]), bits(kv[0][3].cpu()))

@@ -1,11 +1,15 @@
-"""`hicache-async bench`: every figure beside a baseline measured in the same run."""
+"""`hicache-async bench`: every figure beside a baseline measured in the same run. The core's
+groups are here; each engine's comes from its own package, found by entry point
+(`extensions.BENCH_GROUPS`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from tqdm import tqdm
 
-from ...errors import UsageError
+from ...errors import EngineMissing, UsageError
+from ..extensions import BENCH_GROUPS, installed
+from .figure import skipped
 
 
 def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
@@ -13,11 +17,7 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
     from . import core_figures as core
     from . import sync_figures as sync
     from .gpu_copy_figures import gpu_copy_figures
-    from .sglang_figures import sglang_figures
     from .storage_figures import storage_figures
-    from .vllm_figures import vllm_figures
-    from .vllm_fleet_figures import vllm_fleet_figures
-    from .vllm_serve_figures import vllm_serve_figures
 
     n = 1 if quick else 4
     return {
@@ -26,17 +26,16 @@ def _suite(quick: bool) -> dict[str, Callable[[], list[dict]]]:
         "on_step_tp2pp2_us": lambda: [sync.on_step_tp2pp2(blocks=20 * n, steps=25)],
         "admission_scale": lambda: [admission.admission_scale(admissions=200 * n, rounds=3 if quick else 5)],
         "storage": lambda: storage_figures(quick=quick),
-        "sglang": lambda: sglang_figures(quick=quick),
-        "vllm": lambda: vllm_figures(quick=quick),
-        "vllm-serve": lambda: vllm_serve_figures(quick=quick),
         "gpu-copies": lambda: gpu_copy_figures(quick=quick),
-        "vllm-fleet": lambda: vllm_fleet_figures(quick=quick),
+        **{name: lambda ep=ep: ep.load()(quick=quick) for name, ep in installed(BENCH_GROUPS).items()},
         # Last: it installs a global tracer provider.
         "tracing_overhead_pct": lambda: [core.tracing_overhead(pages=16, reps=2 * n, rounds=3 + 2 * n)],
     }
 
 
 def run_bench(quick: bool = False, only: list[str] | None = None) -> list[dict]:
+    """The figures of every group, or of `only` these; a group whose engine is missing is one
+    skipped entry, or the error when it was asked for by name."""
     suite = _suite(quick)
     unknown = sorted(set(only or ()) - set(suite))
     if unknown:
@@ -44,5 +43,10 @@ def run_bench(quick: bool = False, only: list[str] | None = None) -> list[dict]:
     names = [n for n in suite if not only or n in only]
     figures: list[dict] = []
     for name in tqdm(names, desc="bench", unit="group", disable=None):
-        figures += suite[name]()
+        try:
+            figures += suite[name]()
+        except EngineMissing as exc:
+            if only:
+                raise
+            figures.append(skipped(name, "", "", str(exc)))
     return figures

@@ -58,11 +58,13 @@ class _Rank:
 
 def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: float = 60.0,
            run_id: str | None = None, on_progress: Callable[[dict], None] | None = None,
-           deadline_s: float | None = None) -> list[dict]:
+           on_start: Callable[[int, int], None] | None = None, deadline_s: float | None = None) -> list[dict]:
     """Run `target(ctx)` ("package.module:function", sync or async) on every rank.
 
     `timeout_s` bounds each cross-rank wait; `deadline_s` (optional) bounds the whole run.
-    `on_progress` receives each ctx.progress() dict with a "rank" key added.
+    `on_progress` receives each ctx.progress() dict with a "rank" key added; `on_start`
+    receives (rank, pid) as each rank's process starts: ranks are the fork server's children,
+    not the caller's, so this is how a caller learns which processes are its ranks.
     """
     for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
         if size < 1:
@@ -90,6 +92,8 @@ def launch(*, tp: int, pp: int, cp: int, target: str, payload: dict, timeout_s: 
                 process.start()
                 child_end.close()
                 ranks.append(_Rank(RankCoords.of(rank, tp, pp, cp), process, parent_end))
+                if on_start is not None:
+                    on_start(rank, process.pid)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         _collect(ranks, on_progress or (lambda info: None), deadline, deadline_s)
         return [r.result for r in ranks]

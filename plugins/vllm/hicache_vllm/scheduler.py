@@ -117,16 +117,16 @@ class SchedulerSide:
         stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size)
         start = num_computed_tokens // self.page_size
         run = self.slots.run(st.hashes, start, stop) if start < stop else 0
+        if run:     # held from now: no take, the request's own prefetch's included, may evict them
+            slots, token = self.slots.touch(st.hashes[start:start + run]), ("load", next(self._ids))
+            self.slots.read(token, slots)
+            st.load = (start, slots, token)
         missing = stop - start - run
         if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
             st.looked_in_l3 = True
             if self._prefetch(st, st.hashes[start + run:stop]):
-                return None, False
+                return None, False          # the run stays held while the rest is read
         st.looked_in_l3 = True
-        if run:
-            slots, token = self.slots.touch(st.hashes[start:start + run]), ("load", next(self._ids))
-            self.slots.read(token, slots)       # held from now: another request's take must not evict them
-            st.load = (start, slots, token)
         return run * self.page_size, False
 
     def allocated(self, request, num_external_tokens: int) -> None:

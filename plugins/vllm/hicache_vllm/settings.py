@@ -30,6 +30,7 @@ class Settings:
     prefetch_min_pages: int = 1               # shorter L3 runs are recomputed, not fetched
     model_id: str | None = None               # names the model in keys (default: vLLM's model)
     late_copies: bool = False                 # for tests: copies reported landed a step late, as on a GPU
+    simulated_device: int | None = None      # for tests: CPU KV copied on a simulated device of this seed
     extra: dict = field(default_factory=dict, compare=False)   # other keys of the chosen backend
 
     def cache_config(self) -> CacheConfig:
@@ -46,7 +47,7 @@ class Settings:
 _TYPES = {"storage_path": str, "mooncake_master": str, "storage_secret_file": str, "model_id": str,
           "host_pages": int, "head_group": int, "prefetch_min_pages": int,
           "storage_timeout": float, "flush_timeout": float, "storage_optional": bool,
-          "late_copies": bool}
+          "late_copies": bool, "simulated_device": int}
 _BACKEND_KEYS = {"file": {"storage_path"}, "mooncake": {"mooncake_master", "mooncake_metadata"}}
 
 

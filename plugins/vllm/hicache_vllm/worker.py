@@ -48,6 +48,7 @@ from hicache_async.telemetry.sdk import setup_telemetry
 from hicache_async.topology import RankCoords
 from hicache_async.transfer.block_copies import BlockCopies
 from hicache_async.transfer.l3_session import l3_session
+from hicache_async.transfer.sim_device import SimDevice
 
 from . import shutdown
 from .plan import Job, JobReports, Move, StepPlan
@@ -79,7 +80,7 @@ class WorkerSide:
         if not spans.tracing_enabled():     # OTLP as the OTEL_* variables say; vLLM keeps its logs
             setup_telemetry(service_name="hicache-vllm", coords=coords, logs=False)
         self.host = HostPool(layout, settings.host_pages)
-        self.copies = BlockCopies(kv, self.host)
+        self.copies = BlockCopies(kv, self.host, device=self._simulated_device())
         self._stack = contextlib.ExitStack()
         self.store = self._open_store(coords) if settings.storage != "none" else None
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
@@ -100,7 +101,7 @@ class WorkerSide:
         self._finished: dict[int, int] = {}              # job -> pages, not yet reported
         self._copied: Counter[int] = Counter()           # plans whose copies landed, not yet reported
         self._failed: Counter[int] = Counter()           # ...of those, plans some of whose saves were dropped
-        self._synchronous = int(not self.copies.cuda and not settings.late_copies)   # said in the first report
+        self._synchronous = int(not self.copies.streamed and not settings.late_copies)   # said in the first report
         self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
         self._prefetching: set[Future] = set()
         self._load_span = None
@@ -109,12 +110,20 @@ class WorkerSide:
                        "slot_violations": 0, "failed_saves": 0, "fenced_preemptions": 0}
         self._closed = False
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
-        if self.copies.cuda:
+        if kv[0].is_cuda:
             log.info("hicache: vLLM captures piecewise CUDA graphs: layer-by-layer loads wait beside attention, "
                      "which a full graph would replay without them")
         if self.store is not None:      # each L3 read and write timed, for the stats (stats.py, shutdown.py)
             self.store.adapter = OBSERVED.timed(self.store.adapter, self.backup_queue)
             shutdown.on_signals(settings.flush_timeout)
+
+    def _simulated_device(self) -> SimDevice | None:
+        """`simulated_device`: the GPU's copy path (streams, events, DMA) over CPU KV, for tests."""
+        if self.settings.simulated_device is None:
+            return None
+        device = SimDevice(seed=self.settings.simulated_device)
+        device.register(self.host)
+        return device
 
     def _open_store(self, coords: RankCoords):
         s = self.settings

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from hicache_async.app.bench.vllm_engine import write_llama
+from hicache_vllm.bench.engine import write_llama
 from hicache_async.keys import page_hashes
 
 from .engines import RESET, EnginePool, SharedL3, gen

@@ -1,22 +1,27 @@
-"""Real vLLM engines for the tests, each its own process (`hicache_async.app.bench.vllm_engine`):
+"""Real vLLM engines for the tests, each its own process (`hicache_vllm.bench.engine`):
 a fresh one per `run_engine`, or one of the session's engines that live on (`EnginePool`),
 which run many tests' batches for one start. (`tests/helpers/starts.py` counts every start.)"""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from hicache_async.app.bench.vllm_engine import Engine, EngineFailed
-from hicache_async.app.bench.vllm_engine import run_engine as _run
-from hicache_async.app.bench.vllm_engine import start_engine as _start
+import pytest
+
+from hicache_vllm.bench.engine import Engine, EngineFailed, _environment
+from hicache_vllm.bench.engine import run_engine as _run
+from hicache_vllm.bench.engine import start_engine as _start
 
 START_TIMEOUT_S = 400      # a tp=2 engine starts in about a minute on two cores
 BATCH_TIMEOUT_S = 240      # a test's batch takes seconds; past this its engine is killed
 LIVE = 6                   # pooled engines alive at once (each holds about a GiB)
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 RESET = {"op": "reset"}
+ASYNC = {"async_scheduling": True}       # vLLM's GPU default, turned back on for the CPU engine
+SCHEDULINGS = pytest.mark.parametrize("scheduling", [{}, ASYNC], ids=["sync", "async"])
 SETTLE = {"op": "settle"}
 
 def _spec(model: Path, extra: dict | None, spec: dict) -> dict:
@@ -39,14 +44,18 @@ POOLS: list[EnginePool] = []     # this process's pools, killed once it runs no 
 
 class EnginePool:
     """The session's engines that live on, one per settings: the spec without steps, the
-    environment, and a process name (a writer and a reader that never computed what it reads
-    share settings, not a process). Each batch starts with vLLM's prefix cache reset and, with
-    our connector, ends once the backups it issued have ended (what an exit would flush), so a
-    test finds the store as a fresh process would have left it. Tests keep apart by cache
-    salts or prompts of their own, so none depends on another's state or order. An engine that
-    failed is gone: the next batch starts another. At most LIVE live; the least recently used
-    is killed first (see `close`). One rank only (`settle` needs the engine in its process).
-    Each start is said on stderr with its settings."""
+    environment the engine starts with (the test process's, with `env` over it: a test that
+    set a variable gets an engine that read it), and a process name (a writer and a reader
+    that never computed what it reads share settings, not a process). Each batch starts with
+    vLLM's prefix cache reset and, with our connector, ends once the backups it issued have
+    ended (what an exit would flush), so a test finds the store as a fresh process would have
+    left it. Tests keep apart by cache salts or prompts of their own, so none depends on
+    another's state or order. An engine that failed is gone: the next batch starts another. At
+    most LIVE live; the least recently used is killed first (see `close`). One rank only
+    (`settle` needs the engine in its process). Each start is said on stderr with its
+    settings, its environment as a digest."""
+
+    PER_TEST = ("PYTEST_CURRENT_TEST",)     # pytest rewrites it around each test; no engine reads it
 
     def __init__(self) -> None:
         self._engines: OrderedDict[str, Engine] = OrderedDict()
@@ -56,7 +65,9 @@ class EnginePool:
     def run(self, model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
             process: str = "", **spec) -> list[dict]:
         settings = _spec(model, extra, spec)
-        key = json.dumps({**settings, "env": env or {}, "process": process}, sort_keys=True)
+        environment = {k: v for k, v in _environment(settings, env).items() if k not in self.PER_TEST}
+        digest = hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:12]
+        key = json.dumps({**settings, "env": env or {}, "environment": digest, "process": process}, sort_keys=True)
         engine = self._engine(key, settings, env)
         settle = [SETTLE] if extra is not None and settings.get("connector", "HiCacheConnector") else []
         try:
@@ -93,14 +104,14 @@ class SharedL3:
         self.pool, self.model, self.path = pool, model, path
         self.extra = {"storage": "file", "storage_path": str(path)}
 
-    def write(self, steps: list[dict]) -> list[dict]:
-        return self.pool.run(self.model, steps, self.extra, process="writer")
+    def write(self, steps: list[dict], **spec) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, process="writer", **spec)
 
-    def read(self, steps: list[dict]) -> list[dict]:
-        return self.pool.run(self.model, steps, self.extra, process="reader")
+    def read(self, steps: list[dict], **spec) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, process="reader", **spec)
 
-    def read_again(self, steps: list[dict]) -> list[dict]:
-        return self.pool.run(self.model, steps, self.extra, by_name=True, process="second reader")
+    def read_again(self, steps: list[dict], **spec) -> list[dict]:
+        return self.pool.run(self.model, steps, self.extra, by_name=True, process="second reader", **spec)
 
 
 def gen(prompt: list[int], salt: str | None = None) -> dict:
@@ -111,6 +122,14 @@ def gen(prompt: list[int], salt: str | None = None) -> dict:
 def same_output(a: dict, b: dict) -> bool:
     """Greedy tokens and their top-3 logprobs, exactly."""
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def close_output(a: dict, b: dict, tol: float = 1e-3) -> bool:
+    """The same greedy tokens, and top-3 logprobs within `tol`: where the batches that computed
+    the KV differ in shape, which alone moves float32 logprobs by about 1e-5 (a wrong page of KV
+    changes the tokens)."""
+    return a["tokens"] == b["tokens"] and all(
+        d.keys() == e.keys() and all(abs(d[k] - e[k]) <= tol for k in d) for d, e in zip(a["logprobs"], b["logprobs"]))
 
 
 def tiers(result: dict) -> tuple[int, int]:

@@ -16,8 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hicache_async.app.bench import launch
 from hicache_async.ports import free_port
+from hicache_vllm.bench import launch
 
 START_TIMEOUT_S = 400
 ENTRY = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]

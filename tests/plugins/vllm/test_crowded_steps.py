@@ -2,8 +2,9 @@
 own, sent four at a time (so four requests save in one step) into a 12-page host tier over a
 file L3, twice in one engine, then read back one at a time by a new process (the session's
 float32 reader over the shared L3, each policy's prompts under a salt of its own), under every
-write policy. Each output is compared with vLLM's own run of the same request (no connector, float32,
-threads pinned alike by `vllm_engine`): the reads, one at a time, exactly. In the writer the
+write policy, the writer also under async scheduling (vLLM's GPU default: the scheduler a step
+ahead of the worker). Each output is compared with vLLM's own run of the same request (no connector, float32,
+threads pinned alike by `hicache_vllm.bench.engine`): the reads, one at a time, exactly. In the writer the
 connector's L3 lookups park requests for a step, so its batches differ from vLLM's own run of
 the same four prompts, and batch shape alone moves float32 logprobs by about 1e-5 (measured:
 the same prompts alone and four at a time, no connector); there the tokens must be equal and
@@ -17,7 +18,7 @@ import pytest
 
 from hicache_async.config import WRITE_POLICIES
 
-from .engines import RESET, gen, run_engine, same_output, tiers
+from .engines import RESET, SCHEDULINGS, close_output, gen, run_engine, same_output, tiers
 
 PAGE_TOKENS = 32
 PROMPT_TOKENS = 5 * PAGE_TOKENS + 4     # five full pages each: four prompts are 20 pages a step
@@ -44,12 +45,13 @@ def _many(prompts: list[list[int]], salt: str | None = None) -> dict:
     return {**gen([], salt), "op": "generate_many", "prompts": prompts}
 
 
+@SCHEDULINGS
 @pytest.mark.parametrize("policy", WRITE_POLICIES)
 def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(engines, llama, crowd, own, l3, salt,
-                                                                           policy):
+                                                                           policy, scheduling):
     extra = {**l3.extra, "host_pages": HOST_PAGES}
     rounds = [_many(crowd[:4], salt), _many(crowd[4:], salt)]
-    written = run_engine(llama, rounds + [RESET] + rounds, {**extra, "write_policy": policy}, **SPEC)
+    written = run_engine(llama, rounds + [RESET] + rounds, {**extra, "write_policy": policy}, **SPEC, **scheduling)
     read = engines.run(llama, [gen(p, salt) for p in crowd], extra, process="reader", **SPEC)
     batched, alone = own
     for n, (first, second) in enumerate(zip(written[:8], written[8:])):
@@ -60,9 +62,3 @@ def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(engin
     if policy != "write_through_selective":    # (there L3 has nothing before a page's second use)
         assert sum(sum(tiers(out)) for out in written[8:]) >= 4 * PAGE_TOKENS     # the second round used our tiers
     assert sum(tiers(out)[1] for out in read) >= 4 * PAGE_TOKENS                  # the new process read L3
-
-
-def close_output(a: dict, b: dict, tol: float = 1e-3) -> bool:
-    """The same greedy tokens, and top-3 logprobs within `tol`."""
-    return a["tokens"] == b["tokens"] and all(
-        d.keys() == e.keys() and all(abs(d[k] - e[k]) <= tol for k in d) for d, e in zip(a["logprobs"], b["logprobs"]))

@@ -2,7 +2,8 @@
 damaged, the one process that recomputes the prompt rewrites them all, so the next process is
 served the whole prefix again; a shorter object of another layout under one of our keys is a
 miss, and stays. Every output equals the same request's cache-less run. The writer and the
-two readers are the session's (`SharedL3`), each test under a salt of its own."""
+two readers are the session's (`SharedL3`), each test under a salt of its own; the first test's
+also with vLLM's scheduling as on a GPU (async: a step ahead of the worker)."""
 from __future__ import annotations
 
 import xxhash
@@ -10,13 +11,14 @@ import xxhash
 from hicache_async.transfer.objects import _HEADER, HEADER_BYTES
 
 from .conftest import BLOCK, page_files
-from .engines import gen, same_output, tiers
+from .engines import SCHEDULINGS, gen, same_output, tiers
 
 HIT = 288   # nine full pages
 
 
-def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(prompts, cold, l3, salt):
-    l3.write([gen(prompts["p"], salt)])
+@SCHEDULINGS
+def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(prompts, cold, l3, salt, scheduling):
+    l3.write([gen(prompts["p"], salt)], **scheduling)
     objects = [f for page in page_files(l3.path, prompts["p"], salt) for f in page]
     assert len(objects) == 9
     damaged = {}
@@ -26,10 +28,10 @@ def test_every_damaged_object_of_a_prefix_heals_after_one_recompute(prompts, col
         obj.write_bytes(bytes(data))
         damaged[obj] = bytes(data)
 
-    (recomputed,) = l3.read([gen(prompts["p"], salt)])
+    (recomputed,) = l3.read([gen(prompts["p"], salt)], **scheduling)
     assert recomputed["cached"] == 0 and same_output(recomputed, cold["p"])
     assert all(obj.read_bytes() != data for obj, data in damaged.items())     # every one rewritten
-    (healed,) = l3.read_again([gen(prompts["p"], salt)])
+    (healed,) = l3.read_again([gen(prompts["p"], salt)], **scheduling)
     assert tiers(healed)[1] == HIT and same_output(healed, cold["p"])
 
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from hicache_async.app.bench.vllm_engine import write_llama, write_lora
+from hicache_vllm.bench.engine import write_llama, write_lora
 
 from .conftest import BLOCK, SHARED_PAGES, page_files
 from .engines import RESET, gen, run_engine, same_output, tiers

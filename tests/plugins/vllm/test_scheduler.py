@@ -167,6 +167,34 @@ def test_a_prefetch_serves_only_what_every_worker_verified_from_the_slots_it_rea
     assert keep and params == {"hicache": {"host_tokens": 0, "l3_tokens": 12, "model": "", "fenced_preemptions": 0}}
 
 
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_a_loadable_run_keeps_its_slots_against_its_own_prefetch_in_a_full_tier(policy):
+    """The tier is full of evictable pages, the request's first two among them, and the rest
+    of its prompt is in L3: the prefetch may take any slot but the run's. (Under write_back
+    every page it evicts must reach L3 first, so it gets none: the lookup used to fail on the
+    pages it had just counted, and the request lost every tier.)"""
+    s = with_l3(write_policy=policy)
+    a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
+    looked(s, a, b)
+    for req in (a, b):
+        plan = computed(s, req, 9)
+        landed(s, plan)
+        for backup in plan.backups:         # write_through: stored, so no reader holds the slots
+            s.reported(JobReports({backup.job: (1, len(backup.hashes))}))
+    x = Req("x", list(range(8)) + list(range(200, 208)) + [0])
+    if policy == "write_back":
+        assert s.matched(x, 0) == (8, False)
+        (backup,) = s.build({}, blocks).backups
+        assert backup.hashes == s.requests["b"].hashes          # b's pages leave through L3, not a's
+        return
+    assert s.matched(x, 0) == (None, False)
+    (job,) = s.build({}, blocks).prefetches
+    assert job.hashes == s.requests["x"].hashes[2:]
+    s.reported(JobReports({job.job: (1, 2)}))
+    s.slots.check()
+    assert s.matched(x, 0) == (16, False)                       # the run and what L3 gave
+
+
 def test_a_load_holds_its_slots_until_a_plan_carries_it():
     s = side(host_pages=2, storage="none")
     a = Req("a", list(range(9)))

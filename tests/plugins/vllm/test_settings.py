@@ -32,6 +32,7 @@ def test_cli_spellings_are_accepted():
     s = settings.parse({"storage": "memory", "host-pages": 64, "key-scheme": "unified", "write-policy": "write_back"})
     assert (s.storage, s.host_pages, s.key_scheme, s.write_policy) == ("memory", 64, "unified", "write_back")
     assert not s.late_copies and settings.parse({"late-copies": True}).late_copies
+    assert s.simulated_device is None and settings.parse({"simulated-device": 3}).simulated_device == 3
 
 
 def test_a_real_engine_refuses_to_start_on_a_bad_value(llama, prompts, tmp_path):

@@ -15,14 +15,17 @@ it yet would; a preemption's fence runs them at once), in any order between work
 may fail on one worker (its event completes with an error, its slots unwritten). No sleeps,
 and no thread runs an L3 job or lands a copy unless the machine says so, so hypothesis replays
 and shrinks a failure. With HICACHE_TEST_DEVICE=cuda the KV is on the GPU and the copies are
-the copy engine's own, on real streams and events: landing waits for them, bounded.
+the copy engine's own, on real streams and events: landing waits for them, bounded. On CPU a
+second machine runs every worker on the simulated device (the worker's `simulated_device`):
+the GPU's copy code, its copies landing later than issued on stream threads; every copy's
+event is waited for, bounded, when first asked, so its timing never changes what it sees.
 
 Beside it, the reference: every token's KV row is a pure function of the tokens up to it, the
 layer and the worker, so the test knows every page's bytes without the cache. After each
 step every block a load filled (and no load error named) holds them, and every slot the
 scheduler counts HOLDING holds them on every worker; after each backup every object it stored
-reads back, verified, as them; the slot life cycle's own invariants hold; and at the end every
-request whose blocks vLLM kept for us was given back.
+reads back, verified, as them; the slot life cycle's own invariants hold; no lookup ends in an
+error; and at the end every request whose blocks vLLM kept for us was given back.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hicache_async.config import CacheConfig, WRITE_POLICIES
 from hicache_async.errors import StorageError
-from hicache_async.events import HostEvent
+from hicache_async.events import CompletionEvent, HostEvent
 from hicache_async.keys import page_hashes
 from hicache_async.layout import KVLayout
 from hicache_async.pools import HostPool
@@ -75,7 +78,10 @@ _rng = random.Random(7)
 _STEMS = [[_rng.randrange(1, 500) for _ in range(4 * PAGE)] for _ in range(2)]
 PROMPTS = [stem[:n] + tail for stem in _STEMS for n in (2 * PAGE, 3 * PAGE)
            for tail in ([_rng.randrange(1, 500) for _ in range(2 * PAGE + 1)],)]   # 4-6 pages, shared stems
+ARRIVALS = 16           # requests a run admits at most
 LANDINGS = ("in_step", "late", "held") if not CUDA else ("in_step", "late")
+BUILDS = {"policy": st.sampled_from(WRITE_POLICIES), "host_pages": st.integers(2, 6), "workers": st.integers(1, 3),
+          "prefetch": st.booleans(), "landing": st.sampled_from(LANDINGS)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +112,25 @@ class Scripted(WrappingStorage):
             self.fail.discard(op)
             raise StorageError(f"scripted {op} failure")
         return call()
+
+
+class LookupErrors:
+    """The scheduler's logger, noting each lookup that ended in an error: `matched` turns any
+    exception into no hit for the request (vLLM's engine must not stop), so without this the
+    machine would see a lost request, never the error."""
+
+    EVENT = "hicache: request not cached after an error"
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seen = inner, []
+
+    def warning(self, event: str, **fields) -> None:
+        if event == self.EVENT:
+            self.seen.append(fields)
+        self.inner.warning(event, **fields)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 class SteppedPortal:
@@ -144,15 +169,30 @@ class SteppedPortal:
         return pages
 
 
+class Settled(CompletionEvent):
+    """A simulated device's copy, complete whenever asked: the first `query` waits for it, bounded."""
+
+    def __init__(self, event: CompletionEvent) -> None:
+        self.event = event
+
+    def query(self) -> bool:
+        deadline = time.monotonic() + LAND_TIMEOUT_S
+        while not self.event.query():
+            assert time.monotonic() < deadline, f"a copy's event did not complete in {LAND_TIMEOUT_S} s"
+            time.sleep(0.0005)
+        self.error = self.event.error
+        return True
+
+
 class ScriptedSaves:
     """A worker's copy engine, its saves timed by the machine. `held` (CPU): a save is copied
     only when the machine lands it or a fence asks, reading the blocks as they are then.
     Otherwise the engine's own: copied at once on CPU, on its streams on CUDA, where landing
-    waits for their events. A doomed save fails: its event completes with an error, nothing
-    written."""
+    waits for their events; on the simulated device (`settled`), each copy's event `Settled`.
+    A doomed save fails: its event completes with an error, nothing written."""
 
-    def __init__(self, engine, held: bool) -> None:
-        self.engine, self.held = engine, held
+    def __init__(self, engine, held: bool, settled: bool = False) -> None:
+        self.engine, self.held, self.settled = engine, held, settled
         self.waiting: list[tuple[list[int], list[int], HostEvent, bool]] = []   # held, in issue order
         self.issued: list = []          # CUDA: events not yet seen complete
         self.doomed = 0                 # saves still to issue that fail
@@ -170,10 +210,16 @@ class ScriptedSaves:
             event = HostEvent()
             event.fail(CopyFailed("scripted save failure"))
             return event
-        event = self.engine.save(slots, blocks)
+        event = self._copied(self.engine.save(slots, blocks))
         if not event.query():
             self.issued.append(event)
         return event
+
+    def load(self, slots: list[int], blocks: list[int]):
+        return self._copied(self.engine.load(slots, blocks))
+
+    def _copied(self, event: CompletionEvent) -> CompletionEvent:
+        return Settled(event) if self.settled else event
 
     def land(self, n: int) -> None:
         """The oldest `n` held saves are copied now (or fail); CUDA: every issued copy has
@@ -198,23 +244,26 @@ class ScriptedSaves:
             if doomed:
                 event.fail(CopyFailed("scripted save failure"))
             else:
-                self.engine.save(slots, blocks)
+                self._copied(self.engine.save(slots, blocks)).query()
                 event.set()
         del self.waiting[:n]
 
 
 class Interleavings(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(WRITE_POLICIES), host_pages=st.integers(2, 6), workers=st.integers(1, 3),
-                prefetch=st.booleans(), landing=st.sampled_from(LANDINGS))
-    def build(self, policy: str, host_pages: int, workers: int, prefetch: bool = True, landing: str = "in_step") -> None:
-        """`prefetch` False: L3 is written, never read, so every request computes at once."""
+    @initialize(**BUILDS)
+    def build(self, policy: str, host_pages: int, workers: int, prefetch: bool = True, landing: str = "in_step",
+              simulated: bool = False) -> None:
+        """`prefetch` False: L3 is written, never read, so every request computes at once;
+        `simulated`: the workers copy on a simulated device."""
         self.now = [0.0]        # the scheduler's deadlines and the store's breaker run on the machine's clock
         self.workers, self.portals, self.kvs, self.saves = [], [], [], []
         clock = SimpleNamespace(monotonic=lambda: self.now[0])
         self._time, scheduler_module.time, guarded.time = scheduler_module.time, clock, clock
+        self._log = scheduler_module.log
+        self.lookups = scheduler_module.log = LookupErrors(self._log)
         cfg = Settings(storage="memory", host_pages=host_pages, write_policy=policy, storage_timeout=0.05,
                        flush_timeout=1.0, prefetch_min_pages=1 if prefetch else 1 << 20,
-                       late_copies=landing != "in_step")
+                       late_copies=landing != "in_step", simulated_device=1 if simulated else None)
         self.l3 = Scripted(MemoryStorage())
         self.sched = SchedulerSide(cfg, PAGE, workers)
         for rank in range(workers):
@@ -226,7 +275,7 @@ class Interleavings(RuleBasedStateMachine):
             w = WorkerSide(dataclasses.replace(cfg, storage="none"), layout, coords, kv)
             w.store = guarded_store(self.l3, "scripted", layout, coords, CacheConfig(storage_timeout_s=5.0))
             w.settings = cfg
-            w.copies = ScriptedSaves(w.copies, held=landing == "held")
+            w.copies = ScriptedSaves(w.copies, held=landing == "held", settled=simulated)
             w._portal = SteppedPortal(w)
             self.workers.append(w)
             self.portals.append(w._portal)
@@ -259,6 +308,7 @@ class Interleavings(RuleBasedStateMachine):
                 assert not self.kept, f"blocks of {sorted(self.kept)} never given back"
         finally:
             scheduler_module.time = guarded.time = self._time
+            scheduler_module.log = self._log
             for portal, w, saves in zip(self.portals, self.workers, self.saves):
                 saves.land(len(saves.waiting))
                 portal.eager = True         # the flush's own backups run too
@@ -269,13 +319,30 @@ class Interleavings(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------
 
-    def _arrive(self, prompt: int) -> None:
-        tokens = PROMPTS[prompt]
+    def _arrive(self, tokens: list[int]) -> None:
         rid = f"r{len(self.reqs)}"
         self.reqs[rid] = {"req": Req(rid, list(tokens)), "blocks": [], "ext": 0}
         self.waiting.append(rid)
         for i, h in enumerate(page_hashes(tokens, PAGE)):
             self.ref[h] = (tokens, i)
+
+    @precondition(lambda self: len(self.reqs) < ARRIVALS and self.sched.slots.evictable)
+    @rule(pages=st.integers(1, 2))
+    def compete(self, pages: int) -> None:
+        """A request arrives, first in line, whose prompt starts with the prefix of the least
+        recently used page, then `pages` pages of its own: in a full tier its loadable run and
+        the prefetch of the rest compete for the same slots."""
+        slot = next(iter(self.sched.slots.evictable))
+        tokens, page = self.ref[self.sched.slots.slots[slot].page]
+        fresh = 1000 + 100 * len(self.reqs)         # outside PROMPTS' tokens: pages no one has
+        self._arrive(tokens[:(page + 1) * PAGE] + list(range(fresh, fresh + pages * PAGE + 1)))
+        self.waiting.insert(0, self.waiting.pop())
+
+    def _loadable(self, req: Req) -> list[str]:
+        """The request's leading pages the host tier holds now (what a lookup may load)."""
+        hashes = page_hashes(req.all_token_ids, PAGE)[:(len(req.all_token_ids) - 1) // PAGE]
+        run = self.sched.slots.run(hashes, 0, len(hashes))
+        return hashes[:run]
 
     @rule(arrivals=st.lists(st.integers(0, len(PROMPTS) - 1), max_size=3),
           chunk=st.sampled_from([PAGE, 2 * PAGE + 1, 64]), eager=st.booleans(),
@@ -287,14 +354,17 @@ class Interleavings(RuleBasedStateMachine):
         self._step(arrivals, chunk, eager, order, preempt)
 
     def _step(self, arrivals: list[int], chunk: int, eager: bool, order: random.Random, preempt: int | None = None) -> None:
-        for prompt in arrivals[:max(0, 16 - len(self.reqs))]:
-            self._arrive(prompt)
+        for prompt in arrivals[:max(0, ARRIVALS - len(self.reqs))]:
+            self._arrive(PROMPTS[prompt])
         for portal in self.portals:
             portal.eager = eager
         taken = self._preempt(preempt) if preempt is not None and self.running else {}
         for rid in list(self.waiting) if not taken else ():      # vLLM admits none in a step it preempts
             r = self.reqs[rid]
+            loadable = self._loadable(r["req"])
             n, _ = self.sched.matched(r["req"], 0)             # get_num_new_matched_tokens
+            assert all(map(self.sched.slots.holding, loadable)) and (n is None or n >= len(loadable) * PAGE), \
+                f"{rid}'s lookup lost {len(loadable)} loadable pages (hit {n})"
             if n is None:
                 continue
             r["blocks"] = [self.free_blocks.pop() for _ in range(len(r["req"].all_token_ids) // PAGE + 1)]
@@ -403,6 +473,7 @@ class Interleavings(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self.sched.slots.check()
+        assert not self.lookups.seen, f"a lookup ended in an error: {self.lookups.seen[0]}"
         for w in self.workers:
             assert w.counts.get("slot_violations", 0) == 0
 
@@ -476,3 +547,17 @@ class Interleavings(RuleBasedStateMachine):
 Interleavings.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 test_slot_interleavings = Interleavings.TestCase
+
+
+class SimulatedInterleavings(Interleavings):
+    """The same machine, every worker copying on the simulated device."""
+
+    @initialize(**BUILDS)
+    def build(self, policy: str, host_pages: int, workers: int, prefetch: bool = True,
+              landing: str = "in_step") -> None:
+        super().build(policy, host_pages, workers, prefetch, landing, simulated=True)
+
+
+if not CUDA:
+    SimulatedInterleavings.TestCase.settings = Interleavings.TestCase.settings
+    test_slot_interleavings_on_the_simulated_device = SimulatedInterleavings.TestCase

@@ -272,3 +272,17 @@ def test_the_scheduler_and_worker_sides_run_a_step_without_vllm():
     (a save, then a load of it into other blocks) with every import of vLLM failing."""
     done = subprocess.run([sys.executable, "-c", WITHOUT_VLLM], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ran without vllm" in done.stdout, done.stderr[-3000:]
+
+
+def test_simulated_device_copies_cpu_kv_on_the_devices_streams_landing_on_events():
+    """`simulated_device`: the GPU's copy path over CPU KV, so the worker reports landings late."""
+    kv = kv_blocks()
+    w = WorkerSide(Settings(storage="none", host_pages=8, simulated_device=5), LAYOUT, RankCoords(), kv)
+    assert w.copies.streamed and not w._synchronous
+    saved = w.copies.save([2], [6])
+    deadline = time.monotonic() + 10
+    while not saved.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert saved.query() and saved.error is None
+    assert all(torch.equal(w.host.tensor[2, layer], kv[layer][6]) for layer in range(2))
+    w.close()

@@ -11,9 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ...errors import HiCacheError
-from ...ports import free_port
-from ...sim.ranks.launcher import die_with_parent
+from hicache_async.errors import HiCacheError
+from hicache_async.ports import free_port
+from hicache_async.sim.ranks.launcher import die_with_parent
 
 START_TIMEOUT_S = 60
 

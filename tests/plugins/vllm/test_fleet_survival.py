@@ -28,13 +28,13 @@ pytest.importorskip("hicache_vllm")
 pytest.importorskip("mooncake")
 pytest.importorskip("dynamo.llm")
 
-from hicache_async.app.bench.fleet_indexer import Indexer  # noqa: E402
-from hicache_async.app.bench.fleet_stream import Shape, complete, play, stream  # noqa: E402
-from hicache_async.app.bench.vllm_engine import write_llama, write_tokenizer  # noqa: E402
-from hicache_async.app.bench.vllm_fleet_figures import (  # noqa: E402
-    BLOCK, DEVICE_BLOCKS, HOST_PAGES, LLAMA, MODEL_NAME, FleetServer)
-from hicache_async.app.router import POOL, healthy, post  # noqa: E402
 from hicache_async.ports import free_port  # noqa: E402
+from hicache_vllm.bench.engine import write_llama, write_tokenizer  # noqa: E402
+from hicache_vllm.bench.fleet_figures import (  # noqa: E402
+    BLOCK, DEVICE_BLOCKS, HOST_PAGES, LLAMA, MODEL_NAME, FleetServer)
+from hicache_vllm.bench.fleet_indexer import Indexer  # noqa: E402
+from hicache_vllm.bench.fleet_stream import Shape, complete, play, stream  # noqa: E402
+from hicache_vllm.router import POOL, healthy, post  # noqa: E402
 
 SHAPE = Shape(systems=2, system_tokens=256, sessions=5, turns=4, in_flight=2)
 KILL_AFTER = 7          # answers before A dies

@@ -5,7 +5,7 @@ of its own, over one shared Mooncake L3, against the same seeded multi-turn stre
 - `vllm`: no connector, round-robin (the baseline every output is compared with);
 - `host_only`: each server its own host tier, no L3, round-robin;
 - `shared_l3`: host tiers over one `mooncake_master` and segment holder, round-robin;
-- `routed`: the same, each prompt sent by `hicache_async.app.router` (Dynamo's indexer);
+- `routed`: the same, each prompt sent by `hicache_vllm.router` (Dynamo's indexer);
 - `ideal`: one server, twice the device KV and host tier, same L3, on one core: the hit rate
   a fleet that shared everything would reach.
 The model runs in float32, so a prefix computed in another batch shape rounds alike and
@@ -29,12 +29,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ...ports import free_port
-from ...sim.ranks.launcher import die_with_parent
-from . import launch
-from .figure import figure, skipped
+from hicache_async.app.bench.figure import figure, skipped
+from hicache_async.ports import free_port
+from hicache_async.sim.ranks.launcher import die_with_parent
+
+from . import launch, require_vllm
 from .fleet_stream import Shape, play, stream
-from .vllm_serve_figures import ENV, LLAMA, START_TIMEOUT_S, Server, _counter
+from .serve_figures import ENV, LLAMA, START_TIMEOUT_S, Server, _counter
 
 ARMS = ("vllm", "host_only", "shared_l3", "routed", "ideal")
 GROUPS = (("vllm", "host_only"), ("shared_l3", "routed", "ideal"))     # started together
@@ -87,8 +88,8 @@ class FleetServer(Server):
 
 def vllm_fleet_figures(quick: bool = False, arms: tuple[str, ...] = ARMS) -> list[dict]:
     """`arms` must start with `vllm`, the baseline of the others."""
+    require_vllm()
     try:
-        import hicache_vllm  # noqa: F401
         import hicache_mooncake  # noqa: F401
         import mooncake  # noqa: F401
         import dynamo.llm  # noqa: F401
@@ -100,7 +101,7 @@ def vllm_fleet_figures(quick: bool = False, arms: tuple[str, ...] = ARMS) -> lis
 
 def run_arms(shape: Shape, arms: tuple[str, ...], seed: int = 0) -> dict[str, dict]:
     """Each arm's result object (see `_result`), arms run one after another."""
-    from .vllm_engine import write_llama, write_tokenizer
+    from .engine import write_llama, write_tokenizer
 
     turns, results = stream(shape, seed), {}
     with tempfile.TemporaryDirectory(prefix="hicache-vllm-fleet-") as root:

@@ -5,9 +5,9 @@ import statistics
 
 import pytest
 
-from hicache_async.app.bench.vllm_engine import pinned_threads, write_llama, write_tokenizer
-from hicache_async.app.bench.vllm_serve_figures import (ENV, LLAMA, STATS, ServeFailed, Server, _figures,
-                                                        _first_uses, vllm_serve_figures)
+from hicache_vllm.bench.engine import pinned_threads, write_llama, write_tokenizer
+from hicache_vllm.bench.serve_figures import (ENV, LLAMA, STATS, ServeFailed, Server, _figures, _first_uses,
+                                              vllm_serve_figures)
 
 pytest.importorskip("hicache_vllm")
 

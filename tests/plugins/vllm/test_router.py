@@ -5,7 +5,7 @@ import time
 import pytest
 
 from hicache_async.app.cli import main
-from hicache_async.app.router import POOL, Member, Router
+from hicache_vllm.router import POOL, Member, Router
 
 BLOCK = 4
 
@@ -53,7 +53,7 @@ def test_a_server_that_is_down_is_never_picked():
 def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outlives_a_server(tmp_path):
     pytest.importorskip("dynamo.llm")
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    from hicache_async.app.bench.fleet_indexer import Indexer
+    from hicache_vllm.bench.fleet_indexer import Indexer
     from hicache_async.ports import free_port
 
     def stored(h, parent, tokens, medium):

@@ -31,7 +31,8 @@ import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..errors import HiCacheError, UsageError
+from hicache_async.app.extensions import Command
+from hicache_async.errors import HiCacheError, UsageError
 
 POOL = 0                 # the pseudo-instance of the shared L3; servers are 1..N
 CREDIT = {"device": 1.0, "host": 0.75, "disk": 0.25, "shared": 0.5}
@@ -265,3 +266,7 @@ def serve(ns: argparse.Namespace) -> int:
         stop.set()
         httpd.server_close()
     return 0
+
+
+COMMAND = Command(help="route requests to vLLM servers by what their tiers hold", add_flags=add_route_flags,
+                  run=serve)     # `hicache-async route`, by the `hicache_async.commands` entry point

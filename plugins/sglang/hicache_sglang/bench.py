@@ -1,4 +1,5 @@
-"""SGLang figures: our backend (file store, every object checksummed and verified) against
+"""SGLang's bench group (`hicache-async bench --only sglang`, by the `hicache_async.bench` entry
+point): our backend (file store, every object checksummed and verified) against
 SGLang's own `file` backend (`HiCacheFile`, raw tensor files, nothing verified), on the same
 pages of one page-first host buffer in the same run.
 
@@ -15,12 +16,14 @@ that order (the store is built for the pool, `page_order`) and read and written 
 """
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from types import SimpleNamespace
 
 import torch
 
-from .figure import figure, gbps, skipped
+from hicache_async.app.bench.figure import figure, gbps, skipped
+from hicache_async.errors import EngineMissing
 
 LAYERS, HEADS, DIM, PAGE = 32, 4, 64, 16   # 512 KiB pages of fp16, as the storage figures
 BATCH = 128
@@ -62,6 +65,8 @@ def _theirs_get(backend, pool, keys, slots):
 
 def sglang_figures(quick: bool = False) -> list[dict]:
     """Set and get figures for each layout; page_first's under the plain names."""
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineMissing("SGLang is not installed: pip install 'hicache-async[sglang]'")
     out = []
     for layout in LAYOUTS:
         tag = "" if layout == "page_first" else layout + "_"
@@ -72,8 +77,9 @@ def sglang_figures(quick: bool = False) -> list[dict]:
 
 def _figures(layout: str, names: tuple[str, str], baselines: tuple[str, str], quick: bool) -> list[dict]:
     try:
-        from hicache_sglang import HiCacheAsyncStorage
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+        from .storage import HiCacheAsyncStorage
     except ImportError as exc:
         return [skipped(n, "GB/s", b, f"sglang not importable: {exc}") for n, b in zip(names, baselines)]
     pages, reps = (128, 2) if quick else (256, 4)

@@ -7,8 +7,8 @@ pytest.importorskip("hicache_vllm")
 pytest.importorskip("mooncake")
 pytest.importorskip("dynamo.llm")
 
-from hicache_async.app.bench.fleet_stream import stream  # noqa: E402
-from hicache_async.app.bench.vllm_fleet_figures import ARMS, QUICK, _figures, run_arms  # noqa: E402
+from hicache_vllm.bench.fleet_figures import ARMS, QUICK, _figures, run_arms  # noqa: E402
+from hicache_vllm.bench.fleet_stream import stream  # noqa: E402
 
 
 @pytest.fixture(scope="module")

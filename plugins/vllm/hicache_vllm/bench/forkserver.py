@@ -7,10 +7,11 @@ working directory and standard streams (passed over the socket), and it exits th
 interpreter shutdown as a fresh process does (atexit handlers, our connector's flush).
 Single-threaded, so that forking it is safe: one select loop accepts requests and reaps
 children, answering each request's connection with the child's pid and later its exit code
-(negative: the signal). It exits when its stdin closes (its parent died); its children then get
-SIGTERM.
+(negative: the signal). Checked before each fork, by the kernel's count (`threading` sees none a
+native library started): a second thread refuses the request, in one line. It exits when its
+stdin closes (its parent died); its children then get SIGTERM.
 
-`python -m hicache_async.app.bench.forkserver SOCKET MODULE...` imports the modules, says
+`python -m hicache_vllm.bench.forkserver SOCKET MODULE...` imports the modules, says
 `ready` on stdout and serves `launch.WarmStarts` on SOCKET.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import signal
 import socket
 import sys
 
-from ...sim.ranks.launcher import die_with_parent
+from hicache_async.sim.ranks.launcher import die_with_parent
 
 
 def serve(listener: socket.socket) -> dict | None:
@@ -42,6 +43,10 @@ def serve(listener: socket.socket) -> dict | None:
         if listener in ready:
             conn, _ = listener.accept()
             request, fds = _request(conn)
+            if (threads := thread_count()) > 1:
+                _refuse(conn, fds, f"the fork server runs {threads} threads, not 1: a fork of it could "
+                                   f"inherit a lock another thread held (imported: {', '.join(sys.argv[2:])})")
+                continue
             sys.stdout.flush()
             server = os.getpid()
             pid = os.fork()
@@ -55,6 +60,19 @@ def serve(listener: socket.socket) -> dict | None:
                 os.close(fd)
             _say(conn, {"pid": pid})
             waiting[pid] = conn
+
+
+def thread_count() -> int:
+    """This process's threads as the kernel counts them, native ones included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _refuse(conn: socket.socket, fds: list[int], why: str) -> None:
+    print(f"forkserver: {why}", file=sys.stderr, flush=True)
+    for fd in fds:
+        os.close(fd)
+    with conn:
+        _say(conn, {"refused": why})
 
 
 def _request(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hicache_async.app.bench.launch import WarmProcess, WarmStarts
+from hicache_vllm.bench.launch import WarmProcess, WarmStarts
 
 CHILD = "tests.helpers.warm_child"
 MARKER = "xml.dom.minidom"      # imported by the fork server only: a child that has it is a fork
@@ -88,3 +88,14 @@ def test_a_server_that_cannot_import_is_one_error_naming_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="fork server did not start .*forkserver.log"):
         broken.popen(_child("0"))
     assert "no_such_module_here" in (tmp_path / "forkserver.log").read_text()
+
+
+def test_a_server_running_a_thread_threading_cannot_see_refuses_to_fork_in_one_line(tmp_path):
+    threaded = WarmStarts((CHILD,), ("tests.helpers.hidden_thread",), dict(os.environ), tmp_path / "forkserver.log")
+    try:
+        with pytest.raises(RuntimeError, match=r"^the fork server runs 2 threads, not 1: .*hidden_thread\)$"):
+            threaded.popen(_child("0"), stdout=subprocess.DEVNULL)
+        assert threaded.proc.poll() is None     # it refused, and still serves
+    finally:
+        threaded.close()
+    assert "forkserver: the fork server runs 2 threads" in (tmp_path / "forkserver.log").read_text()

@@ -36,12 +36,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ...errors import HiCacheError
-from ...ports import free_port
-from ...sim.ranks.launcher import die_with_parent
-from . import launch
-from .figure import figure, skipped
-from .vllm_engine import THREADS_BIND, pinned_threads
+from hicache_async.app.bench.figure import figure, skipped
+from hicache_async.errors import HiCacheError
+from hicache_async.ports import free_port
+from hicache_async.sim.ranks.launcher import die_with_parent
+
+from . import launch, require_vllm
+from .engine import THREADS_BIND, pinned_threads
 
 LLAMA = {"layers": 8, "hidden": 256, "heads": 4, "intermediate": 512, "vocab": 2048}   # 8 KiB of bf16 KV a token
 BLOCK, DEVICE_KV = 32, 24 << 20                         # 96 blocks: 3,072 tokens
@@ -68,12 +69,8 @@ class ServeFailed(HiCacheError):
 
 def vllm_serve_figures(quick: bool = False, runs: tuple[str, ...] = tuple(RUNS)) -> list[dict]:
     """`runs` must start with `vllm`, the baseline of the others."""
-    try:
-        import hicache_vllm  # noqa: F401
-    except ImportError as exc:
-        return [skipped(f"vllm_serve_{r}_{s}_s", "s", f"vllm_serve_vllm_{s}_s", f"vllm not importable: {exc}")
-                for r in runs[1:] for s in STATS]
-    from .vllm_engine import write_llama, write_tokenizer
+    require_vllm()
+    from .engine import write_llama, write_tokenizer
 
     requests, results, servers = (12 if quick else 24), {}, []
     with tempfile.TemporaryDirectory(prefix="hicache-vllm-serve-") as root, contextlib.ExitStack() as stack:
@@ -252,7 +249,7 @@ def _figures(results: dict[str, dict | str]) -> list[dict]:
 
 
 def main() -> None:
-    """`python -m hicache_async.app.bench.vllm_serve_figures ARGV_LISTS_JSON`: vLLM's `bench serve`
+    """`python -m hicache_vllm.bench.serve_figures ARGV_LISTS_JSON`: vLLM's `bench serve`
     (what `vllm bench serve` runs) for each argument list in turn, importing vLLM once. Beside
     each result it writes which prefix each prompt has: the client's seeded dataset, sampled
     again, in the order it sent them."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...errors import HiCacheError
+from hicache_async.errors import HiCacheError
 
 
 @dataclass(frozen=True)

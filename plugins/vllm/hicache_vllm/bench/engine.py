@@ -1,13 +1,14 @@
 """One real vLLM engine (CPU build) in a fresh process, for the vLLM figures and tests.
 
-`python -m hicache_async.app.bench.vllm_engine SPEC_JSON` prints one JSON line: per `generate`
+`python -m hicache_vllm.bench.engine SPEC_JSON` prints one JSON line: per `generate`
 step its seconds (TTFT with max_tokens=1), greedy tokens, top-k logprobs, `num_cached_tokens`
 and `kv_transfer_params`. A fresh process per engine is what a server restart is, and keeps
 vLLM's process-wide state out of the next engine. The spec: model, dtype, tp, block_size,
 `load_format` (vLLM's: "dummy" is random weights), the connector (None, "HiCacheConnector",
 by module path or with `by_name` by its entry point, or "ExampleConnector") and its extra
 config, `lora_rank` (LoRA on, adapters up to that rank),
-`prompt_embeds` (prompt embeddings on), named `prompts`, and `steps`: `generate` (a prompt or
+`prompt_embeds` (prompt embeddings on), `async_scheduling` (vLLM's GPU default, which its CPU
+platform turns off: turned back on; tp=1), named `prompts`, and `steps`: `generate` (a prompt or
 a prompt's name, optional `salt`, `max_tokens`, `logprobs`, `prompt_logprobs`, `lora`
 [name, id, path], or `embeds_seed` for seeded random prompt embeddings of `embeds_len`
 tokens in place of a prompt), `generate_many` (`prompts`, a list of prompts or names, submitted
@@ -35,7 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from ...errors import HiCacheError
+from hicache_async.errors import HiCacheError
+
 from . import launch
 
 MARK = "VLLM-BENCH "
@@ -269,18 +271,43 @@ def _say(answer) -> None:
 def _engine(spec: dict):
     from vllm import LLM
 
+    if spec.get("async_scheduling"):
+        _schedule_async()
     connector, transfer = spec.get("connector", "HiCacheConnector"), None
     if connector and spec.get("extra") is not None:
         transfer = {"kv_connector": connector, "kv_role": "kv_both",
                     "kv_connector_extra_config": spec["extra"]}
         if connector == "HiCacheConnector" and not spec.get("by_name"):
             transfer["kv_connector_module_path"] = "hicache_vllm"
-    return LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),
                kv_cache_memory_bytes=spec.get("kv_bytes", 256 << 20), max_model_len=spec.get("max_len", 2048),
                block_size=spec.get("block_size", 32), tensor_parallel_size=spec.get("tp", 1),
                kv_transfer_config=transfer, enable_lora=bool(spec.get("lora_rank")),
                max_lora_rank=spec.get("lora_rank") or 16, enable_prompt_embeds=bool(spec.get("prompt_embeds")),
                load_format=spec.get("load_format", "auto"))
+    scheduler = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__ if spec.get("async_scheduling") else ""
+    if spec.get("async_scheduling") and scheduler != "AsyncScheduler":
+        raise EngineFailed(f"async scheduling asked for, but vLLM runs {scheduler}")
+    return llm
+
+
+def _schedule_async() -> None:
+    """vLLM's default on a GPU, the scheduler a step ahead of the worker, which its CPU
+    platform turns off ("not required on CPU"): turned back on right after that hook, so the
+    CPU engine runs what users' GPUs run. The hook runs where the config is made: the engine
+    must be in this process."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise EngineFailed("async scheduling on CPU needs the engine in this process (tp=1, "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    hook = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _run(llm, steps: list[dict], prompts: dict) -> list[dict]:

@@ -3,7 +3,7 @@ real vLLM engine (CPU build) can take it, each beside vLLM's own prefix cache in
 
 Every TTFT is one `generate` with max_tokens=1, the median of a few repetitions after one
 warm-up, each engine a fresh process over the same seeded 8-layer Llama on the same cores
-and thread count (`vllm_engine`):
+and thread count (`engine`):
 - prefix cache: a plain engine, the prompt repeated (the baseline);
 - no cache: the same engine, its prefix cache reset before each repetition;
 - host tier: `HiCacheConnector` with storage none, vLLM's prefix cache reset before each;
@@ -22,8 +22,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ...errors import HiCacheError
-from .figure import figure, skipped
+from hicache_async.app.bench.figure import figure
+from hicache_async.errors import HiCacheError
+
+from . import require_vllm
 
 BLOCK, PREFIX, PROMPT = 32, 1_920, 2_000
 HIT = (PROMPT - 1) // BLOCK * BLOCK             # 1,984: every full block but the one the last token needs
@@ -33,11 +35,8 @@ NAMES = ("vllm_host_tier_ttft_s", "vllm_l3_file_ttft_s", "vllm_example_connector
 
 
 def vllm_figures(quick: bool = False) -> list[dict]:
-    try:
-        import hicache_vllm  # noqa: F401
-    except ImportError as exc:
-        return [skipped(n, n.rsplit("_", 1)[1], BASELINE, f"vllm not importable: {exc}") for n in NAMES]
-    from .vllm_engine import run_engine, write_llama
+    require_vllm()
+    from .engine import run_engine, write_llama
 
     reps = 2 if quick else 5
     rng = random.Random(0)

@@ -51,9 +51,12 @@ class WarmStarts:
     def _serving(self) -> None:
         if self.proc is not None:
             return
+        # One BLAS thread: OpenBLAS (numpy's) starts its pool as it loads, and a server with a
+        # second thread refuses to fork. A fork keeps the one thread; only numpy's BLAS sees it.
+        env = {**self.env, "OPENBLAS_NUM_THREADS": "1"}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", f"{__package__}.forkserver", self.path, *self.imports],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, env=self.env)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, env=env)
         atexit.register(self.close)
         deadline = time.monotonic() + START_TIMEOUT_S
         while (line := self.proc.stdout.readline()) != b"ready\n":
@@ -131,7 +134,11 @@ class WarmProcess:
         self.args, self._conn, self._said = args, conn, b""
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
-        self.pid = self._answer(START_TIMEOUT_S)["pid"]
+        started = self._answer(START_TIMEOUT_S)
+        if "pid" not in started:
+            conn.close()
+            raise RuntimeError(started.get("refused", "the fork server ended before it started the process"))
+        self.pid = started["pid"]
 
     def _answer(self, timeout: float | None) -> dict:
         """The server's next line on this connection; {} once it is gone without one."""
