@@ -36,6 +36,11 @@ class StorageError(HiCacheError):
     """An L3 backend failed (unreachable, out of space, I/O error)."""
 
 
+class CopyFailed(HiCacheError):
+    """A copy between the pools or a device's blocks failed: its events complete with this
+    error instead of hanging."""
+
+
 @contextmanager
 def bounded(timeout_s: float, what: str) -> Iterator[None]:
     """anyio's deadline around a wait, turned into the one-line SyncTimeout naming `what`."""

@@ -10,7 +10,6 @@ import threading
 import time
 
 import anyio
-import torch
 
 from .errors import bounded
 
@@ -105,19 +104,6 @@ class HostEvent(CompletionEvent):
                 await woken.wait()
         finally:
             self.unsubscribe(woken)
-
-
-class CudaEvent(CompletionEvent):
-    """A `torch.cuda.Event` recorded on a copy stream after the op's kernels."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self, stream: "torch.cuda.Stream") -> None:
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
-
-    def query(self) -> bool:
-        return self._event.query()
 
 
 async def first_completion(events: list[CompletionEvent], timeout_s: float) -> None:

@@ -2,10 +2,11 @@
 
 `HICACHE_ASYNC_FAULT` (unset by default) names one fault, injected where the data moves:
 - `swap-load-pages`: an L2 -> L1 load puts its first two pages in each other's device slots;
-- `noise-load`: an L2 -> L1 load adds 1e-3 relative noise to the pages it delivers;
+- `noise-load`: an L2 -> L1 load adds 1e-3 relative noise to the pages it delivers (the
+  CPU's copies: `simulate` runs its pools there);
 - `corrupt-stored`: a backup stores wrong bytes under a valid checksum (a writer bug, which
   only the KV check can see);
-- `copy-error`: the first L1 -> L2 write copy raises;
+- `copy-error`: the first L1 -> L2 write fails;
 - `unchained-hash`: page hashes drop their chain (`keys.page_digests`), so equal pages after
   different prefixes share a storage key.
 """

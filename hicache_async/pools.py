@@ -88,8 +88,8 @@ class HostPool:
     """L2: page-major so one page of every local layer is one contiguous run of bytes.
 
     That is what storage objects and zero-copy batch calls want. `tensor[page, layer]` has
-    shape `layout.layer_page_shape`. Pinned when CUDA is present, for async copies and for
-    the device's kernels to read and write in place, a registration (`chunk_bytes`, whole
+    shape `layout.layer_page_shape`. Pinned when CUDA is present, for the copy engines' DMA
+    (which takes its pages' host addresses as they are), a registration (`chunk_bytes`, whole
     pages) at a time; `close()` unpins it.
     """
 

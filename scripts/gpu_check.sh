@@ -51,7 +51,7 @@ step() {     # step NAME SECONDS COMMAND...: run it under a time limit into OUTD
 }
 
 step sim_device_tests 90 "$py" -m pytest -q -ra -p no:cacheprovider tests/transfer/test_sim_device.py \
-    tests/transfer/test_sim_stream_copies.py tests/transfer/test_stream_copies.py \
+    tests/transfer/test_sim_stream_copies.py tests/transfer/test_sim_copier.py tests/transfer/test_stream_copies.py \
     tests/plugins/vllm/test_slot_interleavings.py -k "not test_slot_interleavings or simulated"
 step cuda_tests 110 "$py" -m pytest -v -ra -p no:cacheprovider tests/transfer/test_cuda.py
 step slot_interleavings_cuda 70 env HICACHE_TEST_DEVICE=cuda "$py" -m pytest -v -ra -p no:cacheprovider \

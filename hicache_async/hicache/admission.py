@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import CacheConfig
-from ..errors import PoolExhausted
+from ..errors import CopyFailed, PoolExhausted
 from ..keys import page_hashes
 from ..request import Request
-from ..transfer.copier import CopyFailed
 from .cache import TieredCache
 from .node import Node
 from .op_tracing import OpTracer

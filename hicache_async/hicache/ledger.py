@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..clock import OpClock
+from ..errors import CopyFailed
 from ..events import CompletionEvent
 from ..kinds import TransferKind
 from ..parallel.agreement import NOT_READY
 from ..storage.base import AbandonedCall
-from ..transfer.copier import CopyFailed
 from .op_tracing import OpTracer
 from .ops import AckQueue, CacheOp, StorageOp
 from .quarantine import HELD_SLOTS, Quarantine

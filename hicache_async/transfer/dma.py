@@ -15,8 +15,7 @@ import ctypes
 
 import torch
 
-from ..errors import UsageError
-from .copier import CopyFailed
+from ..errors import CopyFailed, UsageError
 from .dma_plan import Descriptors
 
 _BATCH_ABI = 12080        # the cuMemcpyBatchAsync of CUDA 12.8: its last argument before the stream is failIdx

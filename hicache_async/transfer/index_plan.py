@@ -2,9 +2,9 @@
 
 A page of a layer is one contiguous slab in both pools, so a layer of an op is one
 `index_select` or `index_copy_` whatever the page pattern. The kernels copy a slab one
-element at a time, which is slow for big slabs but costs one call per layer: the CUDA
-path uses them always (a launch per layer on a copy stream), the CPU path only when slabs
-are small (see `run_plan`).
+element at a time, which is slow for big slabs but costs one call per layer: the CPU's
+copies use them where slabs are small (see `run_plan`), and BlockCopies' CPU branch for a
+layer of a step's blocks. On a device every byte moves by DMA instead (`stream_copies`).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class IndexPlan:
     When one side's pages, in some order of the pairs, are one consecutive run, a layer is
     one pass: a gather straight into the destination run, or a scatter straight from the
     source run. Otherwise it is a gather into `stage` and a scatter out of it, a stage's
-    worth of pages at a time (a bounded stage: device memory is the KV pool's).
+    worth of pages at a time (a bounded stage: memory is the KV pool's).
     """
 
     src: torch.Tensor                 # source page of each slab
@@ -45,19 +45,19 @@ class IndexPlan:
     @classmethod
     def of(cls, src_pages: list[int], dst_pages: list[int], rows: torch.Tensor,
            stage_bytes: int | None = None) -> IndexPlan:
-        """`rows`: one layer's (pages, ...) view of either pool, for device and shape; a
-        stage holds at most `stage_bytes` (`_STAGE_BYTES` unless given)."""
+        """`rows`: one layer's (pages, ...) view of either pool, for its shape; a stage holds
+        at most `stage_bytes` (`_STAGE_BYTES` unless given)."""
         by_dst, by_src = sorted(zip(dst_pages, src_pages)), sorted(zip(src_pages, dst_pages))
         dst_run, src_run = _run([d for d, _ in by_dst]), _run([s for s, _ in by_src])
         if dst_run is not None:
-            return cls(_index([s for _, s in by_dst], rows), _index([], rows), dst_run=dst_run)
+            return cls(_index([s for _, s in by_dst]), _index([]), dst_run=dst_run)
         if src_run is not None:
-            return cls(_index([], rows), _index([d for _, d in by_src], rows), src_run=src_run)
+            return cls(_index([]), _index([d for _, d in by_src]), src_run=src_run)
         if not src_pages:
-            return cls(_index([], rows), _index([], rows))
+            return cls(_index([]), _index([]))
         pages = min(len(src_pages), max(1, (stage_bytes or _STAGE_BYTES) // (rows[0].numel() * rows.element_size())))
-        stage = torch.empty((pages, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        return cls(_index(src_pages, rows), _index(dst_pages, rows), stage=stage)
+        stage = torch.empty((pages, *rows.shape[1:]), dtype=rows.dtype)
+        return cls(_index(src_pages), _index(dst_pages), stage=stage)
 
     @property
     def dst_pages(self) -> slice | torch.Tensor:
@@ -82,7 +82,5 @@ def _run(pages: list[int]) -> slice | None:
     return None
 
 
-def _index(pages: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """Page indices on the rows' device; on CUDA the copy is queued on the current stream."""
-    cpu = torch.tensor(pages, dtype=torch.int64, pin_memory=rows.is_cuda)
-    return cpu.to(rows.device, non_blocking=True)
+def _index(pages: list[int]) -> torch.Tensor:
+    return torch.tensor(pages, dtype=torch.int64)

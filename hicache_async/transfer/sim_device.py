@@ -1,6 +1,6 @@
-"""A simulated device on the CPU: the device seam's other side, on which CI runs `StreamCopies`
-and `BlockCopies`' device branch byte for byte, as FoundationDB runs its code over a simulated
-network and disk.
+"""A simulated device on the CPU: the device seam's other side, on which CI runs `StreamCopies`,
+and through it `BlockCopies`' and the `Copier`'s device paths, byte for byte, as FoundationDB
+runs its code over a simulated network and disk.
 
 Each stream is a thread of its own that runs its operations in the order they were queued,
 each after a seeded random delay, so copies land later than issued; a batch's descriptors run
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..errors import CopyFailed
 from ..pools import HostPool
-from .copier import CopyFailed
 from .device import SourceOrder
 from .dma import memmove
 from .dma_plan import Descriptors

@@ -1,4 +1,5 @@
-"""BlockCopies on CUDA: every byte on the copy engines, loads and saves on a stream each.
+"""Copies on a device (BlockCopies', the Copier's): every byte on the copy engines, loads and
+saves on a stream each.
 
 The SMs belong to the forward pass: an index kernel moving KV through the mapped pool slowed
 a neighbouring matmul by 15-20 %, a DMA slows it by nothing. Each direction has a copy engine
@@ -8,7 +9,8 @@ the compute stream is and hand the copy to a thread of their direction (the driv
 go of the GIL); the threads issue in the order they were handed ops. A load issues a batch
 and records an event a layer; `wait_layer` waits on the CPU, bounded, until that layer's
 event is recorded, then makes the compute stream wait on it: nothing waits on an event not
-yet recorded. A save is one batch over every layer.
+yet recorded (`load_layers` also hands the layers out as events to poll from the CPU, as the
+core's Copier does). A save is one batch over every layer.
 
 Nothing orders the two streams against each other: `load()` no longer waits for the saves
 handed over before it. What does, instead:
@@ -39,10 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from typing import NamedTuple
 
-from ..errors import UsageError
+from ..errors import CopyFailed, UsageError
 from ..events import CompletionEvent, HostEvent
 from ..pools import HostPool
-from .copier import CopyFailed
 from .device import Device, Event, SourceOrder
 from .dma_plan import DmaPlan
 
@@ -70,17 +71,24 @@ class StreamCopies:
 
     def load(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
         """After the current loads (for the compute stream)."""
+        return self.load_layers(slots, blocks)[-1]
+
+    def load_layers(self, slots: list[int], blocks: list[int]) -> list[CompletionEvent]:
+        """`load`, with an event a layer for a caller whose forward pass waits for a layer on the
+        CPU (the core's Copier) rather than through `wait_layer`: done once the layer's copies
+        landed, failed if the load failed before queuing them; the last is the load's."""
         what = f"load of {len(slots)} blocks"
         refused = self._refused(what)
         if refused is not None:
-            return refused
+            return [refused] * self.layers
         if not slots:
-            return done()
+            return [done()] * self.layers
         landing = _Landing()
         self._landing, self._pending = landing, list(range(self.layers))
         issued = self._hand_over("load", self._issue_load, landing, list(slots), list(blocks))
         issued.add_done_callback(landing.settle)
-        return _Issued(issued, what)
+        loaded = _Issued(issued, what)
+        return [_LayerLanded(landing, layer, loaded) for layer in range(self.layers - 1)] + [loaded]
 
     def save(self, slots: list[int], blocks: list[int]) -> CompletionEvent:
         what = f"save of {len(slots)} blocks"
@@ -218,6 +226,10 @@ class _Landing:
                 self._end = None if issued.exception() is not None else issued.result().last
                 self._changed.notify_all()
 
+    def peek(self, layer: int) -> Event | None:
+        """The layer's event if recorded yet, never waiting."""
+        return self._events[layer] if layer < len(self._events) else None
+
     def recorded(self, layer: int, timeout_s: float) -> Event | None:
         """The layer's event once recorded; if the load failed before it was, the event after
         every copy it queued (None if it queued none)."""
@@ -234,7 +246,7 @@ class _Issued(CompletionEvent):
     failed if its thread raised or stopped short, or the device reports an error."""
 
     def __init__(self, issued: Future, what: str) -> None:
-        self._issued, self._what = issued, what
+        self._issued, self.what = issued, what
 
     def query(self) -> bool:
         if not self._issued.done():
@@ -250,8 +262,31 @@ class _Issued(CompletionEvent):
             failure = exc
         if failure is None:
             return True
-        self.error = CopyFailed(f"{self._what} failed: {type(failure).__name__}: {failure}")
+        self.error = CopyFailed(f"{self.what} failed: {type(failure).__name__}: {failure}")
         return True
+
+
+class _LayerLanded(CompletionEvent):
+    """One layer of a load, polled from the CPU: done once the event recorded after its copies
+    passed; where the load failed before recording it, done with the load."""
+
+    def __init__(self, landing: _Landing, layer: int, load: _Issued) -> None:
+        self._landing, self._layer, self._load = landing, layer, load
+
+    def query(self) -> bool:
+        landed = self._landing.peek(self._layer)
+        if landed is None:
+            if not self._load.query():
+                return False
+            landed = self._landing.peek(self._layer)    # recorded before the load settled
+            if landed is None:
+                self.error = self._load.error
+                return True
+        try:
+            return landed.query()
+        except Exception as exc:    # noqa: BLE001 - an asynchronous device error the query raised
+            self.error = CopyFailed(f"{self._load.what}, layer {self._layer}: {type(exc).__name__}: {exc}")
+            return True
 
 
 def done() -> HostEvent:

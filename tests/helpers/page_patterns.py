@@ -7,6 +7,7 @@ import torch
 from hicache_async.layout import KVLayout
 from hicache_async.pools import DevicePool, HostPool
 from hicache_async.transfer.copier import Copier
+from hicache_async.transfer.sim_device import SimDevice
 
 POOL_PAGES = 16
 _rng = random.Random(16)
@@ -22,11 +23,14 @@ PATTERNS = {
     "a run to scattered": ([4, 5, 6, 7], [11, 0, 6, 3]),
 }
 # Slabs of 256 bytes (moved as 16-byte words) and of 6 bytes (moved as 2-byte words): small
-# enough for the index kernels on CPU; slabs of 32 KiB, which the CPU moves as run copies.
+# enough for the index kernels on CPU; slabs of 32 KiB, which the CPU moves as run copies; one
+# layer of 16 KiB pages, whose consecutive pages are one run in both pools (one DMA copy, cut
+# where registrations meet: a registration may be a page).
 LAYOUTS = {
     "wide": KVLayout(num_layers=3, kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16),
     "odd": KVLayout(num_layers=2, kv_heads=1, head_dim=3, page_size=1, dtype=torch.bfloat16, attention="mla"),
     "big": KVLayout(num_layers=4, kv_heads=8, head_dim=64, page_size=16, dtype=torch.float16),
+    "one layer": KVLayout(num_layers=1, kv_heads=8, head_dim=64, page_size=8, dtype=torch.float16),
 }
 
 
@@ -40,10 +44,19 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
 
 
-def assert_round_trip(layout: KVLayout, device_pages: list[int], host_pages: list[int], device: str) -> None:
-    """Write then load the pattern; the reference is built page by page with plain indexing."""
+def simulated(host: HostPool, seed: int = 1, max_delay_s: float = 2e-4, bound_s: float = 5.0) -> SimDevice:
+    """The simulated device with `host` registered: the copies a CUDA pool's pages take, on the CPU."""
+    device = SimDevice(seed=seed, max_delay_s=max_delay_s, bound_s=bound_s)
+    device.register(host)
+    return device
+
+
+def assert_round_trip(layout: KVLayout, device_pages: list[int], host_pages: list[int], device: str,
+                      on_simulated_device: bool = False) -> None:
+    """Write then load the pattern (CPU pools by DMA over the simulated device where asked); the
+    reference is built page by page with plain indexing."""
     dev, host = DevicePool(layout, POOL_PAGES, device=device), HostPool(layout, POOL_PAGES)
-    copier = Copier(dev, host)
+    copier = Copier(dev, host, dma=simulated(host) if on_simulated_device else None)
     try:
         assert_moves_exactly(copier, device_pages, host_pages)
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from hicache_async import faults
 from hicache_async.pools import DevicePool, HostPool
-from hicache_async.transfer import copier as copier_module
+from hicache_async.transfer import cpu_copies
 from hicache_async.transfer import run_plan
 from hicache_async.transfer.copier import Copier, CopyFailed
 from hicache_async.transfer.run_plan import RunPlan
@@ -67,7 +67,7 @@ def test_each_event_is_set_in_order_once_its_group_of_layers_has_landed(group_la
     assert RunPlan.of(device_pages, host_pages, BIG.num_layers, BIG.layer_page_bytes).group == group_layers
     seen: list[int] = []
 
-    class Checked(copier_module.HostEvent):
+    class Checked(cpu_copies.HostEvent):
         def set(self) -> None:
             layer = len(seen)
             first = layer - layer % group_layers
@@ -77,7 +77,7 @@ def test_each_event_is_set_in_order_once_its_group_of_layers_has_landed(group_la
             seen.append(layer)
             super().set()
 
-    monkeypatch.setattr(copier_module, "HostEvent", Checked)
+    monkeypatch.setattr(cpu_copies, "HostEvent", Checked)
     events = copier.write(device_pages, host_pages)
     _wait(events)
     copier.close()

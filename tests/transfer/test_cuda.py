@@ -1,6 +1,7 @@
-"""The CUDA path: copy streams, real torch.cuda.Events, pinned host memory, DMA on the copy
-engines, all through the device seam's CUDA side (`CudaDevice`; the same code runs over the
-simulated device in test_sim_stream_copies.py). Skips without a GPU (scripts/gpu_check.sh
+"""The CUDA path of both copy users, BlockCopies and the core's Copier: copy streams, real
+torch.cuda.Events, pinned host memory, DMA on the copy engines, all through the device seam's
+CUDA side (`CudaDevice`; the same code runs over the simulated device in
+test_sim_stream_copies.py and test_sim_copier.py). Skips without a GPU (scripts/gpu_check.sh
 runs it on one)."""
 import asyncio
 import time
@@ -8,7 +9,6 @@ import time
 import pytest
 import torch
 
-from hicache_async.events import CudaEvent
 from hicache_async.pools import DevicePool, HostPool
 from hicache_async.transfer import stream_copies
 from hicache_async.transfer.block_copies import BlockCopies
@@ -17,7 +17,7 @@ from hicache_async.transfer.device import CudaDevice
 from tests.helpers.block_round_trips import (BLOCKS, ORDERS, Blocks, assert_round_trip, bits, host_pool,
                                              movable_layouts)
 from tests.helpers.layouts import LAYOUT
-from tests.helpers.page_patterns import LAYOUTS, PATTERNS
+from tests.helpers.page_patterns import LAYOUTS, PATTERNS, POOL_PAGES, assert_moves_exactly
 from tests.helpers.page_patterns import assert_round_trip as assert_pages_round_trip
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,37 +31,56 @@ BLOCK_PATTERNS = {
 }
 
 
-def test_host_pool_is_pinned_and_copies_complete_on_cuda_events():
+def test_the_copier_moves_pages_by_dma_from_a_pinned_host_pool_a_layer_at_a_time():
     device, host = DevicePool(LAYOUT, 16, device="cuda"), HostPool(LAYOUT, 16)
     assert host.tensor.is_pinned()
     device.tensor.normal_()
     copier = Copier(device, host)
+    assert isinstance(copier._streams.device, CudaDevice)
     events = copier.write([3, 4, 9], [0, 1, 2])
-    assert len(events) == LAYOUT.num_layers and all(isinstance(e, CudaEvent) for e in events)
+    assert len(events) == LAYOUT.num_layers
     asyncio.run(events[-1].wait(10, "write"))
     for d, h in ((3, 0), (4, 1), (9, 2)):
         assert torch.equal(host.tensor[h], device.tensor[:, d].cpu())
     events = copier.load([0, 1, 2], [10, 11, 12])
-    asyncio.run(events[-1].wait(10, "load"))
-    assert torch.equal(device.tensor[:, 10:13], device.tensor[:, [3, 4, 9]])
+    for layer, event in enumerate(events):      # each layer landed once its event passed
+        asyncio.run(event.wait(10, "load"))
+        assert event.error is None and torch.equal(device.tensor[layer, 10:13], device.tensor[layer, [3, 4, 9]])
+    copier.close()
 
 
-def test_copy_stream_waits_for_compute_that_produced_the_kv():
+def test_the_copiers_write_waits_for_compute_that_produced_the_kv():
     device, host = DevicePool(LAYOUT, 4, device="cuda"), HostPool(LAYOUT, 4)
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(4):                      # queue slow work on the compute stream first
         a = a @ a / 64
     device.tensor[:, 0].fill_(7)           # the value the copy must see
-    events = Copier(device, host).write([0], [0])
+    copier = Copier(device, host)
+    events = copier.write([0], [0])
     asyncio.run(events[-1].wait(30, "write"))
     assert bool((host.tensor[0] == 7).all())
+    copier.close()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("pattern", PATTERNS.values(), ids=PATTERNS.keys())
 def test_pages_land_exactly_in_both_directions_on_cuda(pattern, layout):
-    """The Copier's kernels read and write the pinned host pool in place: every pattern, byte for byte."""
+    """The Copier's DMA between the device pool and the pinned host pool: every pattern, byte for byte."""
     assert_pages_round_trip(layout, *pattern, device="cuda")
+
+
+@pytest.mark.parametrize("pages_a_chunk", [1, 2])
+def test_the_copiers_consecutive_pages_are_cut_where_registrations_meet(pages_a_chunk):
+    """One layer: consecutive pages join into one DMA, which the driver refuses across two
+    `cudaHostRegister` calls unless the plan cuts it."""
+    layout = LAYOUTS["one layer"]
+    host = HostPool(layout, POOL_PAGES, chunk_bytes=pages_a_chunk * layout.page_bytes)
+    copier = Copier(DevicePool(layout, POOL_PAGES, device="cuda"), host)
+    try:
+        assert_moves_exactly(copier, list(range(2, 13)), list(range(3, 14)))
+    finally:
+        copier.close()
+        host.close()
 
 
 def test_host_pool_is_pinned_at_exactly_its_size_and_unpinned_on_close():

@@ -90,6 +90,11 @@ class MooncakeMaster:
         """The master process id (None when not running)."""
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def pids(self) -> list[int]:
+        """The store's processes running now: the master and its segment holder."""
+        return [p.pid for p in (self._proc, self._holder) if p is not None and p.poll() is None]
+
     def running(self) -> bool:
         """Whether the master, and the holder if one is wanted, are both alive."""
         alive = [p is not None and p.poll() is None for p in (self._proc, self._holder)]

@@ -1,7 +1,7 @@
 """GPU copy figures: a step's scattered KV blocks to and from the pinned host pool, through
-BlockCopies (the vLLM connector's copy engine, DMA on the copy engines) and through the core
-Copier (index kernels), beside a pinned contiguous copy of the same bytes measured in the same
-run.
+BlockCopies (the vLLM connector's blocks) and through the core's Copier (its layer-major
+device pool's pages), both DMA on the copy engines, beside a pinned contiguous copy of the same
+bytes measured in the same run.
 
 The shape is Llama-3-8B's: 32 layers, 8 KV heads, head 128, 16-token blocks, bf16, K and V
 (64 KiB a block and layer, 2 MiB a block). Every figure is the best of a few repetitions, and
@@ -12,8 +12,8 @@ every byte moved is checked once they are done. Besides throughput:
 - the same calls with a save queued just before (the caller's thread must not wait for it),
   beside them alone;
 - interference: a loop of bf16 matmuls timed by CUDA events on the compute stream beside a
-  load or a save of 512 blocks issued just before it, beside the loop alone (copies on the
-  SMs slow it, copies on the copy engines should not);
+  load or a save of 512 blocks (BlockCopies') or pages (the Copier's) issued just before it,
+  beside the loop alone (copies on the SMs slow it, copies on the copy engines should not);
 - a load and a save of 512 blocks issued together: both directions' bytes over the time both
   take, beside one direction's pinned contiguous rate (each direction has its copy engine).
 CUDA only; torch, cuda-bindings and this package alone, so it runs on a bare GPU machine.
@@ -49,7 +49,7 @@ def gpu_copy_figures(quick: bool) -> list[dict]:
     try:
         figures = [f for count in COUNTS for f in _figures(block_side, copier_side, count, reps)]
         steps = _Steps(max(COUNTS))
-        return figures + _caller_cpu(block_side, steps, reps) + _beside_compute(block_side, steps) \
+        return figures + _caller_cpu(block_side, steps, reps) + _beside_compute(block_side, copier_side, steps) \
             + _both_ways(block_side, steps, reps)
     finally:
         block_side.close()
@@ -117,9 +117,10 @@ def _caller_cpu(blocks: _BlockSide, steps: _Steps, reps: int) -> list[dict]:
     return figures
 
 
-def _beside_compute(blocks: _BlockSide, steps: _Steps) -> list[dict]:
+def _beside_compute(blocks: _BlockSide, copier: _CopierSide, steps: _Steps) -> list[dict]:
     """The matmul loop's milliseconds (CUDA events on the compute stream, best of 3) beside a
-    load and beside a save issued just before it, each beside the loop alone."""
+    load and beside a save (a write, the Copier's) issued just before it, each beside the loop
+    alone."""
     a, b = (torch.randn(MATMUL, MATMUL, dtype=DTYPE, device="cuda") for _ in range(2))
     out = torch.empty_like(a)
 
@@ -139,9 +140,13 @@ def _beside_compute(blocks: _BlockSide, steps: _Steps) -> list[dict]:
     alone = min(loop() for _ in range(3))
     load = min(loop(lambda: blocks.copies.load(*steps.load)) for _ in range(3))
     save = min(loop(lambda: blocks.copies.save(*steps.save)) for _ in range(3))
+    pages_load = min(loop(lambda: copier.load(*steps.load)) for _ in range(3))
+    pages_write = min(loop(lambda: copier.write(*steps.save[::-1])) for _ in range(3))
     count = len(steps.save[0])
     return [figure(f"gpu_matmuls_beside_a_load_ms_{count}", load, "ms", "matmuls_alone_ms", alone),
-            figure(f"gpu_matmuls_beside_a_save_ms_{count}", save, "ms", "matmuls_alone_ms", alone)]
+            figure(f"gpu_matmuls_beside_a_save_ms_{count}", save, "ms", "matmuls_alone_ms", alone),
+            figure(f"gpu_matmuls_beside_a_copier_load_ms_{count}", pages_load, "ms", "matmuls_alone_ms", alone),
+            figure(f"gpu_matmuls_beside_a_copier_write_ms_{count}", pages_write, "ms", "matmuls_alone_ms", alone)]
 
 
 def _both_ways(blocks: _BlockSide, steps: _Steps, reps: int) -> list[dict]:
@@ -255,11 +260,12 @@ class _CopierSide:
         _random_pages(self.host)
         self.copier = Copier(self.device, self.host)
 
-    def write(self, device_pages: list[int], host_pages: list[int]) -> None:
-        self.copier.write(device_pages, host_pages)
+    def write(self, device_pages: list[int], host_pages: list[int]) -> CompletionEvent:
+        """Returns the op's event: its copies are issued by a thread of their own."""
+        return self.copier.write(device_pages, host_pages)[-1]
 
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        self.copier.load(host_pages, device_pages)
+    def load(self, host_pages: list[int], device_pages: list[int]) -> CompletionEvent:
+        return self.copier.load(host_pages, device_pages)[-1]
 
     def check(self, slots: list[int], moved: list[int], targets: list[int]) -> None:
         pages = self.host.tensor[slots].to("cuda").transpose(0, 1)      # layer-major, as the device pool

@@ -2,7 +2,8 @@
 
 vLLM owns the device KV and decides in one scheduler, so the split is vLLM's own: the
 scheduler instance keeps the index of the host tier and decides (`scheduler.py`); each worker
-instance holds its rank's host pool and moves its bytes (`worker.py`). Everything under them
+instance holds its rank's host pool and moves its bytes (`worker.py`); each under vLLM's hybrid
+KV cache manager once a KV cache group (`groups.py`, `kv_groups.py`). Everything under them
 is the product's core: host pool, page store with verified objects, storage adapters, sealing,
 guarded calls and spans. vLLM's own types and calls stay in this module.
 """
@@ -12,14 +13,17 @@ from typing import Any
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+                                                               KVConnectorRole, KVConnectorWorkerMetadata,
+                                                               SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache_async.storage.sealed import load_key
 from hicache_async.topology import RankCoords
 
 from . import settings as config
-from .kv_layout import ordered_layers, version_family, worker_layout
+from .groups import GroupedScheduler, GroupedWorker, GroupPlans, GroupReports
+from .kv_groups import groups_of
+from .kv_layout import layer_index, ordered_layers, version_family, worker_layout
 from .load_failures import recompute_load_failures
 from .model_identity import model_identity, refuse_unkeyable
 from .plan import JobReports, StepPlan
@@ -32,9 +36,11 @@ from .worker import WorkerSide
 # reports; the scheduler and worker sides never import vLLM (a GPU machine may have none)
 KVConnectorMetadata.register(StepPlan)
 KVConnectorWorkerMetadata.register(JobReports)
+KVConnectorMetadata.register(GroupPlans)
+KVConnectorWorkerMetadata.register(GroupReports)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = config.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
@@ -44,13 +50,16 @@ class HiCacheConnector(KVConnectorBase_V1):
         refuse_unkeyable(vllm_config)
         self.model_id = model_identity(vllm_config, self.settings.model_id)
         self.page_size = vllm_config.cache_config.block_size
+        self.groups = groups_of(kv_cache_config, self.page_size, parallel.pipeline_parallel_size)
         self._deltas = Deltas()
-        self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        self.scheduler: GroupedScheduler | None = None
+        self.worker: GroupedWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute_load_failures(vllm_config.kv_transfer_config)     # read by vLLM's Scheduler after this
             workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-            self.scheduler = SchedulerSide(self.settings, self.page_size, workers, self.model_id)
+            self.scheduler = GroupedScheduler([
+                SchedulerSide(self.settings, self.page_size, workers, self.model_id, group,
+                              page_bytes=_page_bytes(kv_cache_config)) for group in self.groups])
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -58,27 +67,37 @@ class HiCacheConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         cfg = self._vllm_config
-        names = ordered_layers(kv_caches)
         tp, pp = get_tp_group(), get_pp_group()
         coords = RankCoords(tp_rank=tp.rank_in_group, tp_size=tp.world_size,
                             pp_rank=pp.rank_in_group, pp_size=pp.world_size)
         model = cfg.model_config
-        layout = worker_layout(
-            kv_caches, num_blocks=self._kv_cache_config.num_blocks, block_size=self.page_size, coords=coords,
-            total_layers=model.get_total_num_hidden_layers(), total_kv_heads=model.get_total_num_kv_heads(),
-            mla=model.use_mla, model_id=self.model_id,
-            engine=f"{version_family(vllm.__version__)}|{_backend(cfg, names[0])}"
-                   f"|cache_dtype={cfg.cache_config.cache_dtype}|layout={self._kv_cache_config.kv_cache_layout}")
-        self._layer_of = {name: i for i, name in enumerate(names)}
-        self.worker = WorkerSide(self.settings, layout, coords, [kv_caches[n] for n in names])
+        hybrid = len(self.groups) > 1
+        sides, layers = [], {}
+        for g, group in enumerate(self.groups):     # a plain model: one group, every layer
+            mine = {n: kv_caches[n] for n in (group.layers if hybrid else kv_caches) if n in kv_caches}
+            names = ordered_layers(mine) if not hybrid else sorted(mine, key=layer_index)
+            layout = worker_layout(
+                mine, num_blocks=self._kv_cache_config.num_blocks, block_size=self.page_size, coords=coords,
+                total_layers=model.get_total_num_hidden_layers(), total_kv_heads=model.get_total_num_kv_heads(),
+                mla=model.use_mla, model_id=self.model_id, group=group if hybrid else None,
+                engine=f"{version_family(vllm.__version__)}|{_backend(cfg, names[0])}"
+                       f"|cache_dtype={cfg.cache_config.cache_dtype}|layout={self._kv_cache_config.kv_cache_layout}")
+            layers.update({name: (g, i) for i, name in enumerate(names)})
+            sides.append(WorkerSide(self.settings, layout, coords, [kv_caches[n] for n in names]))
+        self.worker = GroupedWorker(sides, layers)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """Before every forward pass (or step without one): the worker times the pass from here
+        and starts the plan's L3 reads beside it."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.begin(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self.worker.start(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_of.get(layer_name)
-        if layer is not None:
-            self.worker.wait_layer(layer)
+        self.worker.wait_layer(layer_name)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks a load could not fill from a trustworthy slot: vLLM recomputes them."""
@@ -118,8 +137,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.worker.reports() if self.worker is not None else None
 
     def get_kv_connector_stats(self):
-        side = self.worker.totals() if self.worker is not None else dict(self.scheduler.counts)
-        return self._deltas.take(side)
+        if self.worker is not None:
+            return self._deltas.take(self.worker.totals())
+        return self._deltas.take(dict(self.scheduler.counts), self.scheduler.observed())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None):
@@ -154,11 +174,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         return {k: v for k, v in split.items() if v}
 
     def build_connector_meta(self, scheduler_output):
-        block_ids = self._kv_cache_manager.get_block_ids
-        return self.scheduler.build(scheduler_output.num_scheduled_tokens, lambda rid: block_ids(rid)[0],
+        return self.scheduler.build(scheduler_output.num_scheduled_tokens, self._kv_cache_manager.get_block_ids,
                                     scheduler_output.preempted_req_ids or ())
 
     def update_connector_output(self, connector_output) -> None:
+        self.scheduler.first_tokens()
         self.scheduler.reported(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -166,8 +186,19 @@ class HiCacheConnector(KVConnectorBase_V1):
         keep, params = self.scheduler.finished(request)
         return keep, params or None
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's call under its hybrid KV cache manager: every group's blocks at once."""
+        return self.request_finished(request, block_ids[0])
+
     def take_events(self):
         return self.scheduler.events.take()
+
+
+def _page_bytes(kv_cache_config) -> int:
+    """A block's KV bytes over every layer (the prior of an L3 read's time a page); 1 MiB
+    where vLLM gave no KV cache config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups) or 1 << 20
 
 
 def _backend(vllm_config, layer_name: str) -> str:

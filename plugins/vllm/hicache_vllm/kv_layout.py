@@ -6,7 +6,9 @@ block of every layer in that logical order, so a page moves as a block does. Eve
 decides those bytes goes into the namespace: the model, dtype, block size, the per-layer
 shape, the physical layout and backend, and vLLM's version family. A change of any of them
 is a miss, never another layout's bytes read as this one's. A tensor that is not such a view
-stops the engine at start-up rather than being guessed at.
+stops the engine at start-up rather than being guessed at. Under vLLM's hybrid KV cache manager
+each KV cache group's layers are a layout of their own (`kv_groups.py`), numbered within the
+group, and the group's kind, spec and layers go into its namespace.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from hicache_async.errors import UsageError
 from hicache_async.layout import KVLayout
 from hicache_async.topology import RankCoords
+
+from .kv_groups import Group
 
 AXES = ("head", "token", "dim")
 
@@ -44,9 +48,14 @@ def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[str]:
 
 
 def worker_layout(kv_caches: dict[str, torch.Tensor], *, num_blocks: int, block_size: int, coords: RankCoords,
-                  total_layers: int, total_kv_heads: int, mla: bool, model_id: str, engine: str) -> KVLayout:
-    """The layout of this worker's KV: its layers, its heads, and the namespace of its bytes."""
-    names = ordered_layers(kv_caches)
+                  total_layers: int, total_kv_heads: int, mla: bool, model_id: str, engine: str,
+                  group: Group | None = None) -> KVLayout:
+    """The layout of this worker's KV (or of one `group`'s layers in it): its layers, its heads,
+    and the namespace of its bytes."""
+    names = ordered_layers(kv_caches) if group is None else sorted(kv_caches, key=layer_index)
+    if group is not None:
+        total_layers = len(names)
+        engine += f"|group={group.spec}:layers={','.join(str(layer_index(n)) for n in names)}"
     first = kv_caches[names[0]]
     for name in names:
         t = kv_caches[name]
@@ -61,7 +70,7 @@ def worker_layout(kv_caches: dict[str, torch.Tensor], *, num_blocks: int, block_
     physical = ",".join(str(i) for i in sorted(range(4), key=lambda d: -first.stride(d)))
     return KVLayout(
         num_layers=len(names), kv_heads=heads, head_dim=content, page_size=block_size, dtype=first.dtype,
-        attention="mla" if mla else "mha", first_layer=layer_index(names[0]),
+        attention="mla" if mla else "mha", first_layer=layer_index(names[0]) if group is None else 0,
         first_head=0 if mla else (coords.tp_rank // replicas) * heads,
         total_layers=total_layers, total_kv_heads=1 if mla else total_kv_heads, model_id=model_id,
         axes=AXES, engine_layout=f"{engine}|physical={physical}|device={first.device.type}")

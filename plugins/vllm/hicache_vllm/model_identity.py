@@ -28,8 +28,8 @@ def refuse_unkeyable(vllm_config) -> None:
     model's KV as it is."""
     model, parallel, spec = vllm_config.model_config, vllm_config.parallel_config, vllm_config.speculative_config
     if model.is_hybrid or model.is_attention_free:
-        raise UsageError(f"HiCacheConnector: {model.model} keeps recurrent (Mamba) state beside its KV pages; "
-                         f"that state cannot be cached by page")
+        raise UsageError(f"HiCacheConnector: {model.model} keeps recurrent (Mamba or linear-attention) state "
+                         f"beside its KV pages; caching that state is not supported yet")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             raise UsageError(f"HiCacheConnector: {name}={getattr(parallel, name)} is not supported: "

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+NULL_BLOCK = 0      # vLLM's placeholder block (a sliding window's skipped pages): nothing moves to or from it
+
 
 @dataclass
 class Move:
@@ -71,6 +73,9 @@ class StepPlan:
                                                           # their saves landed (reported in get_finished)
     preempted: list[str] = field(default_factory=list)    # their blocks are reused: their saves must land first
     idle: bool = False                                    # no forward pass: only L3 is awaited
+    fence: bool = False                                   # vLLM took back a block a save reads: land saves first
+    unfilled: list[int] = field(default_factory=list)     # blocks vLLM counts loaded that no load fills
+    tokens: int = 0                                       # vLLM computes these: the worker times its pass
 
     @property
     def copies(self) -> bool:
@@ -85,7 +90,11 @@ class JobReports:
     (`released`): the slot is free for reuse only when every hold is released; and pages
     whose objects a worker's store evicted (`evicted`): one worker's is enough, the page can
     no longer be read whole; and per plan, workers on which some of its saves failed or were
-    dropped (`failed`): the plan's saved pages then hold on no worker's word."""
+    dropped (`failed`): the plan's saved pages then hold on no worker's word. And what the
+    scheduler's prefetch decision learns from (`prefetch_cost.py`), timed where the scheduler
+    running a step ahead cannot skew it: each L3 read's (pages, seconds), and each forward
+    pass's (tokens, seconds).
+    """
 
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
     copied: Counter = field(default_factory=Counter)
@@ -94,6 +103,8 @@ class JobReports:
     synchronous: int = 0        # workers whose copies land before their step ends (CPU), said once
     evicted: set[str] = field(default_factory=set)
     failed: Counter = field(default_factory=Counter)
+    reads: list[tuple[int, float]] = field(default_factory=list)
+    passes: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: "JobReports") -> "JobReports":
         merged = dict(self.done)
@@ -102,4 +113,4 @@ class JobReports:
             merged[job] = (seen + reports, min(least, pages))
         return JobReports(merged, self.copied + other.copied, self.held + other.held, self.released + other.released,
                           self.synchronous + other.synchronous, self.evicted | other.evicted,
-                          self.failed + other.failed)
+                          self.failed + other.failed, self.reads + other.reads, self.passes + other.passes)

@@ -15,10 +15,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PAGES = {"host_saved_pages": "saved", "host_loaded_pages": "loaded", "l3_stored_pages": "backed_up",
          "l3_read_pages": "read", "l3_looked_pages": "looked_up", "l3_prefetched_pages": "prefetched",
-         "failed_saves": "dropped"}
+         "failed_saves": "dropped", "l3_declined_pages": "declined"}
 REJECTED = {"l3_corrupt_objects": "corrupt", "l3_forged_objects": "forged", "l3_missing_objects": "missing"}
 BYTES = {"l3_bytes_written": "write", "l3_bytes_read": "read"}
 LATENCY = {"l3_read_seconds": "read", "l3_write_seconds": "write"}
+TTFT = {f"ttft_{tier}_seconds": tier for tier in ("device", "host", "l3", "none")}
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ESTIMATES = {"l3_read_latency_seconds": "An L3 read's fixed cost, as the prefetch decision estimates it.",
+             "l3_read_seconds_per_page": "Seconds each page adds to an L3 read, as the prefetch decision "
+                                         "estimates it.",
+             "prefill_seconds_per_token": "Seconds each token adds to a forward pass, as the prefetch decision "
+                                          "estimates it."}
 
 
 class HiCachePromMetrics(KVConnectorPromMetrics):
@@ -30,6 +37,13 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
             name="vllm:hicache_prefix_tokens", labelnames=[*names, "tier"],
             documentation="Prompt tokens served from hicache's tiers, by where they came from: host (the "
                           "host tier) or l3 (read from storage into the host tier for this request).")
+        self.ttft = self._histogram_cls(
+            name="vllm:hicache_time_to_first_token_seconds", labelnames=[*names, "tier"], buckets=TTFT_BUCKETS,
+            documentation="Seconds from a request's arrival to its first token, by the tier that served most of "
+                          "its prompt: device (vLLM's prefix cache), host, l3, or none (computed).")
+        self.estimates = {key: self._gauge_cls(name=f"vllm:hicache_{key}", labelnames=names,
+                                               multiprocess_mode="mostrecent", documentation=doc)
+                          for key, doc in ESTIMATES.items()}
         self.pages = self._counter_cls(
             name="vllm:hicache_pages", labelnames=[*names, "op"],
             documentation="Pages moved, summed over workers: saved (device to host), loaded (host to "
@@ -59,10 +73,10 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
         for engine in per_engine_labelvalues.values():     # every series from the start: zero, never absent
             for metric, labels in ((self.tokens, ("host", "l3")), (self.pages, PAGES.values()),
                                    (self.rejected, REJECTED.values()), (self.bytes, BYTES.values()),
-                                   (self.seconds, LATENCY.values())):
+                                   (self.seconds, LATENCY.values()), (self.ttft, TTFT.values())):
                 for label in labels:
                     metric.labels(*engine, label)
-            for metric in (self.healed, self.failed, self.queue):
+            for metric in (self.healed, self.failed, self.queue, *self.estimates.values()):
                 metric.labels(*engine)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -83,7 +97,11 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
                 metric.labels(*engine).inc(data[key])
         if "backup_queue_pages" in data:
             self.queue.labels(*engine).set(sum(data["backup_queue_pages"].values()))
-        for key, op in LATENCY.items():
-            child = self.seconds.labels(*engine, op)
-            for seconds in data.get(key, ()):
-                child.observe(seconds)
+        for key, gauge in self.estimates.items():
+            if key in data:
+                gauge.labels(*engine).set(sum(data[key].values()))
+        for histogram, keys in ((self.seconds, LATENCY), (self.ttft, TTFT)):
+            for key, label in keys.items():
+                child = histogram.labels(*engine, label)
+                for seconds in data.get(key, ()):
+                    child.observe(seconds)

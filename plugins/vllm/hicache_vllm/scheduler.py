@@ -13,6 +13,11 @@ Every host slot changes state only through `HostSlots` (`host_slots.py`), on the
 reports: a saved page is loadable and backed up once its copy landed on every worker, a slot
 is reused once every load and backup reading it is done. A save never waits: where no slot
 is free, its pages skip the tier.
+
+A prefix is read from L3 only where the read is expected to finish before computing it would
+(`l3_reads`): the cost model (`prefetch_cost.py`) learns an L3 read's latency and time a page
+from the workers' timed reads, and a token's prefill from their timed forward passes, both
+carried in their reports; now and then a run it would recompute is read anyway, to learn from.
 """
 from __future__ import annotations
 
@@ -23,16 +28,20 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from hicache_async.hicache.prefetch_cost import PrefetchCost
 from hicache_async.keys import tenant_digest
 
 from .host_slots import HostSlots
-from .plan import Job, JobReports, Move, StepPlan
+from .kv_groups import Group
+from .plan import NULL_BLOCK, Job, JobReports, Move, StepPlan
 from .request_keys import RequestKeys, reads_external
 from .settings import Settings
 from .tier_events import TierEvents
 
 log = structlog.get_logger(__name__)
 KNOWN_PAGES = 1 << 20   # pages the scheduler remembers as stored in L3, and the uses of
+PROBE_EVERY = 8         # runs in a row the cost model would recompute: the next is read, to learn from
+TIERS = ("device", "host", "l3", "none")    # where most of a prompt came from (none: computed)
 
 
 @dataclass
@@ -49,6 +58,10 @@ class RequestPages:
     from_host: int = 0                   # tokens it took from the host tier...
     from_l3: int = 0                     # ...and of those, from L3 through it
     fenced: int = 0                      # preemptions while its saves were in flight (each worker fenced them)
+    device: int = 0                      # tokens vLLM's own prefix cache gave it
+    start: int = 0                       # the page its hit starts at
+    limit: int | None = None             # the furthest page its hit may reach (every group's, `groups.py`)
+    unfilled: tuple[int, int] | None = None   # pages vLLM counts loaded that no load fills: recomputed
 
 
 @dataclass
@@ -57,11 +70,20 @@ class PlanCopies:
 
     loads: list[tuple] = field(default_factory=list)                  # reader tokens
     saves: list[tuple[RequestPages, list[int], list[int]]] = field(default_factory=list)  # (request, pages, slots)
+    reads: list[tuple[str, int, int]] = field(default_factory=list)   # a sliding window's (request, page, block)
 
 
 class SchedulerSide:
-    def __init__(self, settings: Settings, page_size: int, workers: int, model_id: str = "") -> None:
+    def __init__(self, settings: Settings, page_size: int, workers: int, model_id: str = "",
+                 group: Group | None = None, page_bytes: int = 1 << 20) -> None:
         self.settings, self.page_size, self.workers, self.model_id = settings, page_size, workers, model_id
+        prior = settings.cache_config()     # the core's figures, until timed reads and passes replace them
+        self.cost = PrefetchCost.learned(page_bytes, page_size, prefill_us_per_token=prior.prefill_us_per_token,
+                                         l3_gbps=prior.l3_gbps, l3_latency_us=prior.l3_latency_us,
+                                         probe_every=PROBE_EVERY)
+        self.awaiting: dict[str, RequestPages] = {}     # no first token yet: timed by the tier that served it
+        self.ttft: dict[str, list[float]] = {tier: [] for tier in TIERS}    # seconds, since the last take
+        self.window = group if group is not None and group.reach else None     # a sliding window's group
         self.slots = HostSlots(settings.host_pages)
         self.keys = RequestKeys(page_size)
         self.l3 = settings.storage != "none"
@@ -78,7 +100,8 @@ class SchedulerSide:
         self.uses: OrderedDict[str, int] = OrderedDict()         # uses per page (selective write-through)
         self.plan = StepPlan()
         self.events = TierEvents(page_size, settings.host_pages, KNOWN_PAGES)
-        self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0}
+        self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0,
+                       "l3_declined_pages": 0}     # declined: runs recomputing was expected to beat reading
         self._ids = itertools.count()
         self._steps = itertools.count(1)
 
@@ -102,6 +125,9 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if st is None:
             st = self.requests[request.request_id] = RequestPages(request)
+        if not getattr(request, "num_output_tokens", 0):    # asked again after preemption: timed already
+            self.awaiting[request.request_id] = st          # (`groups.py` makes `st` before this)
+        st.device = num_computed_tokens
         if self._extend(st) is None:
             return None, False              # its keys are still being made
         if not st.looked_in_l3:
@@ -114,17 +140,19 @@ class SchedulerSide:
         if not st.keyed or not reads_external(request):
             st.looked_in_l3 = True
             return 0, False
-        stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size)
-        start = num_computed_tokens // self.page_size
-        run = self.slots.run(st.hashes, start, stop) if start < stop else 0
+        stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size,
+                   len(st.hashes) if st.limit is None else st.limit)
+        start = st.start = num_computed_tokens // self.page_size
+        first, run = self._loadable(st.hashes, start, stop) if start < stop else (start, 0)
         if run:     # held from now: no take, the request's own prefetch's included, may evict them
-            slots, token = self.slots.touch(st.hashes[start:start + run]), ("load", next(self._ids))
+            slots, token = self.slots.touch(st.hashes[first:start + run]), ("load", next(self._ids))
             self.slots.read(token, slots)
-            st.load = (start, slots, token)
+            st.load = (first, slots, token)
         missing = stop - start - run
         if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
             st.looked_in_l3 = True
-            if self._prefetch(st, st.hashes[start + run:stop]):
+            reads = max(start + run, self.window.first_read(stop, self.page_size)) if self.window else start + run
+            if self._pays(stop - reads) and self._prefetch(st, st.hashes[reads:stop]):
                 return None, False          # the run stays held while the rest is read
         st.looked_in_l3 = True
         return run * self.page_size, False
@@ -137,7 +165,12 @@ class SchedulerSide:
             self._unload(st)
             return
         first, slots, token = st.load
-        slots = slots[:num_external_tokens // self.page_size]
+        end = st.start + num_external_tokens // self.page_size
+        if self.window is None:
+            slots = slots[:end - first]
+        elif first + len(slots) != end:     # a window serves only the boundary it ends at
+            self.slots.done(token)
+            slots, st.unfilled = [], (st.start, end)
         st.load = (first, slots, token)
         self.loading[request.request_id] = st   # vLLM counts these tokens computed: the load must happen
         pages = st.hashes[first:first + len(slots)]
@@ -153,13 +186,19 @@ class SchedulerSide:
         loads decided at allocation, and the saves of every page this step completes."""
         plan, self.plan = self.plan, StepPlan()
         plan.step, copies = next(self._steps), PlanCopies()
+        plan.tokens = sum(scheduled.values())
         for req_id in [r for r in self.loading if r in scheduled]:
             st = self.loading.pop(req_id)
             first, slots, token = st.load
-            plan.loads.append(Move(req_id, slots, block_ids(req_id)[first:first + len(slots)],
-                                   st.hashes[first:first + len(slots)]))
+            table = block_ids(req_id)
+            blocks = table[first:first + len(slots)]
+            plan.loads.append(Move(req_id, slots, blocks, st.hashes[first:first + len(slots)]).keeping(
+                [self._live(b) for b in blocks]))       # vLLM's window may start later than ours
             copies.loads.append(token)
             st.load = None
+            if st.unfilled is not None:
+                plan.unfilled += [b for b in table[slice(*st.unfilled)] if self._live(b)]
+                st.unfilled = None
         loaded = {block for move in plan.loads for block in move.blocks}
         for req_id, n in scheduled.items():
             st = self.requests.get(req_id)
@@ -167,6 +206,7 @@ class SchedulerSide:
                 self._save(plan, copies, st, st.request.num_computed_tokens + n, block_ids, loaded)
         if plan.copies:
             self.copying[plan.step] = copies
+        plan.fence = self._reused_while_saving(block_ids)
         plan.keep, self.keep = self.keep, []
         plan.preempted = list(preempted)
         for st in filter(None, map(self.requests.get, plan.preempted)):
@@ -180,6 +220,8 @@ class SchedulerSide:
         CPU), and what its `kv_transfer_params` say of where its prefix came from and of the
         preemptions that took its blocks while its saves were in flight."""
         st = self.requests.pop(request.request_id, None)
+        self._first_token(request.request_id)      # vLLM frees a request stopped by its first token first
+        self.awaiting.pop(request.request_id, None)
         if st is None:
             return False, {}
         if self.loading.pop(request.request_id, None) is not None or st.load is not None:
@@ -196,6 +238,10 @@ class SchedulerSide:
         a page stored and then evicted within one report is not left announced."""
         if reports is None:
             return
+        for pages, seconds in reports.reads:
+            self.cost.observe_read(pages, seconds)
+        for tokens, seconds in reports.passes:
+            self.cost.observe_prefill(tokens, seconds)
         for slot, n in reports.held.items():
             self.slots.late(slot, n)
         for slot, n in reports.released.items():
@@ -210,6 +256,37 @@ class SchedulerSide:
         for page in reports.evicted:
             self.stored_l3.pop(page, None)
         self.events.removed(sorted(reports.evicted), "STORAGE")
+
+    def first_tokens(self) -> None:
+        """After vLLM took a step's output: each request's first token, timed from its arrival
+        and filed under the tier that served most of its prompt."""
+        for req_id in list(self.awaiting):
+            self._first_token(req_id)
+
+    def _first_token(self, req_id: str) -> None:
+        """The request's first token, if it has one, timed and no longer awaited."""
+        st = self.awaiting.get(req_id)
+        request = st.request if st is not None else None
+        if request is None or getattr(request, "num_output_tokens", 0) <= 0:
+            return
+        del self.awaiting[req_id]
+        arrived = getattr(request, "arrival_time", None)
+        if arrived is not None:
+            l3, host = st.from_l3, st.from_host - st.from_l3
+            tokens = (st.device, host, l3, request.num_prompt_tokens - st.device - host - l3)
+            self.ttft[TIERS[tokens.index(max(tokens))]].append(time.time() - arrived)
+
+    def observed(self) -> dict:
+        """For the stats: first-token seconds by tier since the last call (samples), and the
+        cost model's estimates (gauges)."""
+        out = {f"ttft_{tier}_seconds": samples for tier, samples in self.ttft.items() if samples}
+        self.ttft = {tier: [] for tier in TIERS}
+        if self.l3:
+            cost = self.cost
+            out.update({"l3_read_latency_seconds": {"scheduler": cost.latency_s},
+                        "l3_read_seconds_per_page": {"scheduler": cost.page_read_s},
+                        "prefill_seconds_per_token": {"scheduler": cost.prefill_s}})
+        return out
 
     def close(self) -> None:
         """At shutdown: one line for the backups decided but never delivered to a worker."""
@@ -257,6 +334,16 @@ class SchedulerSide:
         self.counts["l3_looked_pages"] += len(hashes)
         return True
 
+    def _pays(self, pages: int) -> bool:
+        """Whether to read a run of `pages` from L3 (`l3_reads`): under auto, where the cost model
+        expects the read to finish before their prefill would (or probes)."""
+        if self.settings.l3_reads != "auto":
+            return self.settings.l3_reads == "always"
+        if self.cost.decide(pages, pages * self.page_size).fetch:
+            return True
+        self.counts["l3_declined_pages"] += pages
+        return False
+
     def _overdue(self, job_id: int) -> bool:
         """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
         worker that never answers, costs a recompute, not a request parked for ever."""
@@ -288,7 +375,8 @@ class SchedulerSide:
         if not self._extend(st):
             return
         full = min(computed // self.page_size, len(st.hashes))
-        todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p])]
+        blocks = block_ids(st.request.request_id)
+        todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p]) and self._live(blocks[p])]
         st.saved = max(st.saved, full)
         if not todo:
             return
@@ -296,7 +384,6 @@ class SchedulerSide:
         if not slots:
             return      # every slot is read, filling or leaving: these pages skip the tier
         todo = todo[:len(slots)]
-        blocks = block_ids(st.request.request_id)
         pages = [st.hashes[p] for p in todo]
         tenant = tenant_digest(st.request.cache_salt)
         table = blocks[:todo[-1] + 1] if loaded else []
@@ -305,6 +392,8 @@ class SchedulerSide:
         for h, slot in zip(pages, slots):
             self.slots.fill(slot, h, tenant, ("save", plan.step), indexed=True)
         copies.saves.append((st, todo, slots))
+        if self.window is not None:     # vLLM frees these blocks as the window moves on, saved or not
+            copies.reads += [(st.request.request_id, p, blocks[p]) for p in todo]
         self._use(st, todo)
         worthy = [(h, slot) for h, slot in zip(pages, slots) if self._worth_backing_up(h)]
         if self.l3 and worthy:      # in this plan, so it is delivered even if no step follows
@@ -321,6 +410,37 @@ class SchedulerSide:
         for st, todo, slots in copies.saves:
             held = set(self.slots.filled(("save", step), slots, verified=0 if failed else None))
             self.events.stored(st.request, [p for p in todo if st.hashes[p] in held], st.hashes, "CPU")
+
+    def _loadable(self, hashes: list[str], start: int, stop: int) -> tuple[int, int]:
+        """What a hit loads: (its first page, its pages past `start`). Full attention: the
+        HOLDING run from `start`. A sliding window: the furthest boundary up to `stop` whose
+        window (the pages from `start` on that its layers still read) the tier holds; vLLM
+        leaves the blocks before that window null. Scanned once, backwards: a gap rules out
+        every boundary past it."""
+        if self.window is None:
+            return start, self.slots.run(hashes, start, stop)
+        end = stop
+        for page in range(stop - 1, start - 1, -1):
+            if not self.slots.holding(hashes[page]):
+                end = page
+            elif page <= max(start, self.window.first_read(end, self.page_size)):
+                return page, end - start
+        return start, 0
+
+    def _live(self, block: int) -> bool:
+        """Whether a block holds KV: a sliding window's table has vLLM's null block where the
+        window moved on (a full-attention table never does)."""
+        return self.window is None or block != NULL_BLOCK
+
+    def _reused_while_saving(self, block_ids) -> bool:
+        """Whether vLLM took back a sliding window's block that a save still reads (its request
+        moved on): every kernel of the step then waits for the saves issued (`fence`)."""
+        for copies in self.copying.values() if self.window is not None else ():
+            for req_id, page, block in copies.reads:
+                table = block_ids(req_id) if req_id in self.requests else None
+                if table is not None and (page >= len(table) or table[page] != block):
+                    return True
+        return False
 
     def _saving(self, st: RequestPages) -> bool:
         """Whether some of the request's saves have not landed on every worker yet."""

@@ -12,6 +12,7 @@ from hicache_async.errors import UsageError
 from hicache_async.storage.base import DEFAULT_STORAGE, storage_names
 
 DEFAULT_HOST_PAGES = 256
+L3_READS = ("auto", "always", "never")    # read a prefix from L3: when it beats recomputing, always, never
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Settings:
     storage_timeout: float = 2.0              # seconds an L3 call may take before it is a miss
     flush_timeout: float = 30.0               # seconds shutdown waits for issued backups
     prefetch_min_pages: int = 1               # shorter L3 runs are recomputed, not fetched
+    l3_reads: str = "auto"                    # auto: only a run whose read beats recomputing it
     model_id: str | None = None               # names the model in keys (default: vLLM's model)
     late_copies: bool = False                 # for tests: copies reported landed a step late, as on a GPU
     simulated_device: int | None = None      # for tests: CPU KV copied on a simulated device of this seed
@@ -93,6 +95,9 @@ def _check(s: Settings, given: dict) -> None:
     if s.key_scheme not in KEY_SCHEMES:
         raise UsageError(f"kv_connector_extra_config: unknown key_scheme {s.key_scheme!r}; expected one of "
                          f"{', '.join(KEY_SCHEMES)}")
+    if s.l3_reads not in L3_READS:
+        raise UsageError(f"kv_connector_extra_config: unknown l3_reads {s.l3_reads!r}; expected one of "
+                         f"{', '.join(L3_READS)}")
     if s.write_policy not in WRITE_POLICIES:
         raise UsageError(f"kv_connector_extra_config: unknown write_policy {s.write_policy!r}; expected one "
                          f"of {', '.join(WRITE_POLICIES)}")

@@ -5,7 +5,10 @@ the scheduler, logs, and hands to our Prometheus metrics (`prom.py`):
   objects, failed calls); summed;
 - samples (`observed.SAMPLES`, lists of seconds, one per L3 call): concatenated, so a histogram sees
   every call of every worker;
-- gauges (`backup_queue_pages`, {worker process: value}): each worker's current value, sent
+- samples of the scheduler (`ttft_<tier>_seconds`: a request's first token, by the tier that
+  served most of its prompt): concatenated likewise;
+- gauges (`backup_queue_pages`, {worker process: value}; the scheduler's cost estimates,
+  {"scheduler": value}): each worker's current value, sent
   every interval, moved or not: vLLM hands `prom.py` each step's stats merged over the
   workers that sent them, so a worker left out would drop out of the sum; merged across
   intervals, the latest value per process wins, and the log sums them.
@@ -67,9 +70,11 @@ class Deltas:
         self._last: Counter = Counter()
         self.observed = observed
 
-    def take(self, totals: dict[str, int]) -> HiCacheStats | None:
+    def take(self, totals: dict[str, int], extra: dict | None = None) -> HiCacheStats | None:
+        """`extra`: the caller's own samples and gauges, passed through."""
         now = Counter({k: v for k, v in totals.items() if v})
         data = dict(now - self._last)
         self._last = now
         data.update(self.observed.take())
+        data.update(extra or {})
         return HiCacheStats(data) if data else None

@@ -16,7 +16,9 @@ backup); a failed load's blocks are load errors, which vLLM recomputes.
 
 L3 work runs in the background on an anyio event loop of the worker's own (a blocking portal),
 its storage calls on worker threads under one capacity limiter per kind; each finished job is
-reported once. A prefetch reads straight into the FILLING slots the scheduler took for it; an
+reported once. A prefetch starts as its plan is bound, before the forward pass, so a read
+shorter than the pass is reported with the pass and its request waits one step, not two; it
+reads straight into the FILLING slots the scheduler took for it; an
 L3 call given up on may still write into the slots past the verified run, and they are
 reported held until it returns. The worker checks the slot rules it can see (a write into a
 slot a backup reads, a load from a slot that holds another page) and drops such pages; the
@@ -104,6 +106,10 @@ class WorkerSide:
         self._synchronous = int(not self.copies.streamed and not settings.late_copies)   # said in the first report
         self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
         self._prefetching: set[Future] = set()
+        self._prefetched: StepPlan | None = None         # the latest plan whose prefetches started
+        self._began: float | None = None                 # when the bound plan's forward pass began
+        self._reads: list[tuple[int, float]] = []        # timed L3 reads (pages, seconds), to report...
+        self._passes: list[tuple[int, float]] = []       # ...and timed forward passes (tokens, seconds)
         self._load_span = None
         self._load_event = None                          # this step's loads, landed on it
         self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
@@ -139,10 +145,22 @@ class WorkerSide:
 
     # -- the step ------------------------------------------------------------------------
 
+    def begin(self, plan: StepPlan) -> None:
+        """The plan is bound, its forward pass about to run: the pass is timed from here, and
+        its prefetches start now, reading beside the pass."""
+        self._began = time.perf_counter()
+        self._start_prefetches(plan)
+
     def start(self, plan: StepPlan) -> None:
         """Before the forward pass: this step's loads start (on a GPU; on a CPU each layer is
-        copied when its attention asks)."""
+        copied when its attention asks). Where vLLM took back a block a save still reads (a
+        sliding window moved on), the saves issued land before any copy or kernel of this step;
+        blocks vLLM counts loaded that no load fills are load errors: recomputed, never stale."""
         self._step = plan.step
+        if plan.fence:
+            self.copies.fence_saves(FENCE_TIMEOUT_S)
+        self._load_errors.update(plan.unfilled)
+        self._bad.update(plan.unfilled)
         loads = [self._loadable(move) for move in plan.loads]
         self._load_span = self._moves_span(TransferKind.LOAD, loads)
         slots, self._loaded = _flat(loads)
@@ -172,6 +190,9 @@ class WorkerSide:
     def finish(self, plan: StepPlan) -> None:
         """After the forward pass: saves are issued (not waited for), then the L3 work. A save
         whose page was computed over a block this step's loads did not fill right is dropped."""
+        began, self._began = self._began, None
+        if began is not None and plan.tokens and not plan.idle:
+            self._passes.append((plan.tokens, time.perf_counter() - began))
         self._step = plan.step
         self.copies.wait_loads()
         if self._load_span is not None:
@@ -202,6 +223,15 @@ class WorkerSide:
             if not job.after_save:
                 self._background("backup", job)
         self._land()
+        self._start_prefetches(plan)
+        if plan.idle:
+            self._await_prefetch()
+
+    def _start_prefetches(self, plan: StepPlan) -> None:
+        """The plan's prefetches, once (at `begin`, or in `finish` where nothing bound it)."""
+        if plan is self._prefetched:
+            return
+        self._prefetched = plan
         self._prefetching = {f for f in self._prefetching if not f.done()}
         for job in plan.prefetches:
             for slot in job.slots:
@@ -209,8 +239,6 @@ class WorkerSide:
             future = self._background("prefetch", job)
             if future is not None:
                 self._prefetching.add(future)
-        if plan.idle:
-            self._await_prefetch()
 
     def _kept_saves(self, plan: StepPlan, bad: set[int]) -> list[Move]:
         """The plan's saves this worker makes: none computed over a `bad` block (one a load of
@@ -350,15 +378,17 @@ class WorkerSide:
             done, self._finished = self._finished, {}
             held, self._held = self._held, Counter()
             released, self._released = self._released, Counter()
+            reads, self._reads = self._reads, []
+        passes, self._passes = self._passes, []
         copied, self._copied = self._copied, Counter()
         failed, self._failed = self._failed, Counter()
         synchronous, self._synchronous = self._synchronous, 0
         evicted = self.store.evicted_pages() if self.store is not None else set()
         self.in_l3.difference_update(evicted)
-        if not (done or copied or held or released or synchronous or evicted):
+        if not (done or copied or held or released or synchronous or evicted or reads or passes):
             return None
         return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous,
-                          evicted, failed)
+                          evicted, failed, reads, passes)
 
     # -- L3 --------------------------------------------------------------------------------
 
@@ -425,7 +455,11 @@ class WorkerSide:
         n = next((i for i, fine in enumerate(ok) if not fine), len(ok))
         if n < len(ok):
             self._violation("prefetch into a slot a backup reads", job.slots[n:], [False] * (len(ok) - n))
+        started = time.perf_counter()
         result = self.store.prefetch(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
+        if n:       # a read given up on at its deadline cost the request that long
+            with self._lock:
+                self._reads.append((n, time.perf_counter() - started))
         for slot, page in zip(job.slots[:result.pages], job.hashes):
             self.pages[slot] = (page, job.tenant)
         self.in_l3.update(job.hashes[:result.pages])

@@ -102,7 +102,8 @@ class SharedL3:
 
     def __init__(self, pool: EnginePool, model: Path, path: Path) -> None:
         self.pool, self.model, self.path = pool, model, path
-        self.extra = {"storage": "file", "storage_path": str(path)}
+        # L3's correctness, not the decision to read it (`test_l3_reads.py`): every run is read
+        self.extra = {"storage": "file", "storage_path": str(path), "l3_reads": "always"}
 
     def write(self, steps: list[dict], **spec) -> list[dict]:
         return self.pool.run(self.model, steps, self.extra, process="writer", **spec)

@@ -50,7 +50,7 @@ class Engine:
     steps them (the KV blocks keep their random bytes: these tests follow pages, not bytes)."""
 
     def __init__(self, workers: int = 1, **settings) -> None:
-        cfg = Settings(storage="memory", host_pages=8, **settings)
+        cfg = Settings(storage="memory", host_pages=8, l3_reads="always", **settings)
         self.sched = SchedulerSide(cfg, PAGE, workers)
         self.kvs = [kv_blocks() for _ in range(workers)]
         self.workers = []

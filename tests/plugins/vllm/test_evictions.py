@@ -56,7 +56,7 @@ def test_a_page_the_file_store_evicts_is_withdrawn_from_storage_and_forgotten(tm
     w = WorkerSide(Settings(storage="none", host_pages=8), LAYOUT, RankCoords(), kv)
     files = FileStorage(str(tmp_path))
     w.store = guarded_store(files, "file", LAYOUT, RankCoords(), CacheConfig())
-    s = SchedulerSide(Settings(storage="none", host_pages=8), PAGE, 1)
+    s = SchedulerSide(Settings(storage="none", host_pages=8, l3_reads="always"), PAGE, 1)
     s.l3 = True
     a, b = _request("a", 100), _request("b", 200)
     _served(s, w, a, [0, 1, 2])

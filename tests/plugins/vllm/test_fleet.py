@@ -13,7 +13,7 @@ from hicache_vllm.bench.fleet_stream import stream  # noqa: E402
 
 @pytest.fixture(scope="module")
 def arms() -> dict:
-    return run_arms(QUICK, ARMS)
+    return run_arms(QUICK, ARMS, l3_reads="always")     # L3's reach, not the decision (`test_l3_reads.py`)
 
 
 def test_every_arm_answers_every_request_as_vllm_alone_does(arms):
@@ -55,6 +55,8 @@ def test_the_figures_carry_each_arms_object_and_the_goals(arms):
         assert obj["arm"] == arm and set(obj["tokens"]) == {"device", "host", "l3", "computed"}
         assert {"mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "duration_s", "requests_per_server",
                 "outputs_equal_vllm"} <= set(obj)
+        if arm != "vllm":       # our servers time every first token, under the tier that served most of it
+            assert sum(t["requests"] for t in obj["by_tier"].values()) == len(stream(QUICK)), (arm, obj["by_tier"])
     for goal in ("ideal_vs_shared_l3_hit_rate", "shared_l3_vs_host_only_mean_ttft", "routed_vs_shared_l3_mean_ttft",
                  "routed_busiest_vs_idlest"):
         row = rows[f"vllm_fleet_{goal}"]

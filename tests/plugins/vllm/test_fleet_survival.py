@@ -68,7 +68,7 @@ def fleet(tmp_path_factory) -> dict:
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster(holder_bytes=256 << 20, log_path=str(root / "mooncake.log")))
         store = f"http://{master.host}:{master.metrics_port}"
-        extra = {"storage": "mooncake", "host_pages": HOST_PAGES, "storage_optional": False,
+        extra = {"storage": "mooncake", "host_pages": HOST_PAGES, "storage_optional": False, "l3_reads": "always",
                  "mooncake_master": master.address, "mooncake_metadata": master.metadata_url}
         ports = [(free_port(), free_port(), free_port()) for _ in range(2)]     # HTTP, events, replay
         ref = stack.enter_context(FleetServer("vllm", model, None, root / "ref", 0, DEVICE_BLOCKS))

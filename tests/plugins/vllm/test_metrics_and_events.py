@@ -51,7 +51,8 @@ def run(llama, tmp_path_factory) -> dict:
     prompts = {name: [rng.randrange(3, 1000) for _ in range(300)] for name in ("P", *(f"F{i}" for i in range(1, 7)))}
     zmq_port, replay_port, index_port = free_port(), free_port(), free_port()
     transfer = {"kv_connector": "HiCacheConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"storage": "file", "storage_path": str(root / "l3"), "host_pages": 45}}
+                "kv_connector_extra_config": {"storage": "file", "storage_path": str(root / "l3"), "host_pages": 45,
+                                              "l3_reads": "always"}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_port}",
               "replay_endpoint": f"tcp://*:{replay_port}"}
     args = ["--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)]
@@ -86,7 +87,7 @@ def run(llama, tmp_path_factory) -> dict:
                 data[len(data) // 2] ^= 0x40
                 obj.write_bytes(bytes(data))
                 out["F1 from L3"] = complete("F1")
-                for _ in range(40):     # F1's pages are stored again; a worker's stats go out with a step:
+                for out["steppers"] in range(1, 41):    # F1's pages stored again; stats go out with a step:
                     time.sleep(0.25)
                     server.complete(prompts["P"][:8])   # a prompt of no full page steps the engine
                     time.sleep(0.25)
@@ -138,6 +139,19 @@ def test_metrics_count_tokens_by_tier_pages_bytes_refusals_and_l3_call_latency(r
         assert metric(text, "vllm:hicache_l3_call_seconds_bucket", op=op, le="+Inf", **labels) == calls
         assert 0 < metric(text, "vllm:hicache_l3_call_seconds_sum", op=op, **labels) < calls * 2.0
     assert metric(text, "vllm:hicache_backup_queue_pages", **labels) == 0        # all stored, reported
+
+
+def test_first_tokens_are_timed_by_the_tier_that_served_most_of_the_prompt(run):
+    """P's comeback is the one host hit; every other prompt was mostly computed (F1 took 4 of
+    its 9 pages from L3), the stepping prompts too, up to the last ones, whose stats may not be
+    out yet. And the cost model's estimates are exported."""
+    text, labels = run["metrics"], {"engine": "0", "model_name": run["model"]}
+    name = "vllm:hicache_time_to_first_token_seconds"
+    assert [metric(text, f"{name}_count", tier=t, **labels) for t in ("device", "host", "l3")] == [0, 1, 0]
+    assert 8 <= metric(text, f"{name}_count", tier="none", **labels) <= 8 + run["steppers"]
+    assert 0 < metric(text, f"{name}_sum", tier="host", **labels) < 30
+    for estimate in ("l3_read_latency_seconds", "l3_read_seconds_per_page", "prefill_seconds_per_token"):
+        assert metric(text, f"vllm:hicache_{estimate}", **labels) > 0
 
 
 def test_dynamos_indexer_sees_our_tiers_and_drops_no_event(run):

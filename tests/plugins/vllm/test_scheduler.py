@@ -21,7 +21,7 @@ PAGE = 4
 
 
 def side(workers: int = 1, **settings) -> SchedulerSide:
-    return SchedulerSide(Settings(**{"host_pages": 4, **settings}), PAGE, workers)
+    return SchedulerSide(Settings(**{"host_pages": 4, "l3_reads": "always", **settings}), PAGE, workers)
 
 
 def with_l3(workers: int = 1, **settings) -> SchedulerSide:

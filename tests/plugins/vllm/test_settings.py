@@ -16,6 +16,7 @@ from .engines import gen, start_engine
     ({"host_pages": "many"}, "'many'"),
     ({"key_scheme": "random"}, "'random'"),
     ({"write_policy": "sometimes"}, "'sometimes'"),
+    ({"l3_reads": "maybe"}, "unknown l3_reads 'maybe'; expected one of auto, always, never"),
     ({"storage_timeout": -1}, "got -1"),
     ({"storage_optional": "yes"}, "'yes'"),
     ({"late_copies": 1}, "late_copies must be true or false, got 1"),

@@ -262,7 +262,7 @@ class Interleavings(RuleBasedStateMachine):
         self._log = scheduler_module.log
         self.lookups = scheduler_module.log = LookupErrors(self._log)
         cfg = Settings(storage="memory", host_pages=host_pages, write_policy=policy, storage_timeout=0.05,
-                       flush_timeout=1.0, prefetch_min_pages=1 if prefetch else 1 << 20,
+                       l3_reads="always", flush_timeout=1.0, prefetch_min_pages=1 if prefetch else 1 << 20,
                        late_copies=landing != "in_step", simulated_device=1 if simulated else None)
         self.l3 = Scripted(MemoryStorage())
         self.sched = SchedulerSide(cfg, PAGE, workers)

@@ -68,7 +68,8 @@ class Engine:
     over, computed in one step, then finished."""
 
     def __init__(self, policy: str, host_pages: int) -> None:
-        self.s = SchedulerSide(Settings(storage="none", host_pages=host_pages, write_policy=policy), PAGE, 1)
+        self.s = SchedulerSide(Settings(storage="none", host_pages=host_pages, write_policy=policy, l3_reads="always"),
+                               PAGE, 1)
         self.s.l3 = True            # L3 jobs planned; the worker has no store, so each ends at once, empty
         kv = [torch.zeros(BLOCKS, 1, PAGE, 2)]
         self.w = WorkerSide(Settings(storage="none", host_pages=host_pages), LAYOUT, RankCoords(), kv)

@@ -45,6 +45,17 @@ def test_vllms_scheduler_recomputes_failed_loads_whatever_the_operator_left(llam
     assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
 
 
+def test_vllm_captures_piecewise_graphs_for_the_connector_it_resolves(llama):
+    """Loads wait layer by layer beside attention: vLLM must not capture full graphs around
+    them (it overrides `cudagraph_mode` for a connector that says so; on CPU it captures none)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = engine_config(llama)
+    connector = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    assert connector.__name__ == "HiCacheConnector"
+    assert connector.requires_piecewise_for_cudagraph(cfg.kv_transfer_config.kv_connector_extra_config)
+
+
 def test_a_dummy_load_over_a_real_folder_is_another_model(llama):
     real, dummy = (model_identity(engine_config(llama, load_format=f), None) for f in ("auto", "dummy"))
     assert real != dummy and real.split("@")[0] == dummy.split("@")[0] == str(llama)

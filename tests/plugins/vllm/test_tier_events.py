@@ -109,7 +109,7 @@ def _plain(name: str = "p") -> Request:
 
 
 def _scheduler(req: Request, workers: int) -> SchedulerSide:
-    s = SchedulerSide(Settings(storage="none", host_pages=4), PAGE, workers)
+    s = SchedulerSide(Settings(storage="none", host_pages=4, l3_reads="always"), PAGE, workers)
     s.l3 = True                                 # it plans backups; the test reports them
     s.requests[req.request_id] = RequestPages(req, looked_in_l3=True)
     return s

@@ -275,8 +275,10 @@ def _engine(spec: dict):
         _schedule_async()
     connector, transfer = spec.get("connector", "HiCacheConnector"), None
     if connector and spec.get("extra") is not None:
+        extra = spec["extra"]   # our L3 is read whenever it holds a prefix: what runs here checks or times that path
         transfer = {"kv_connector": connector, "kv_role": "kv_both",
-                    "kv_connector_extra_config": spec["extra"]}
+                    "kv_connector_extra_config": {"l3_reads": "always", **extra} if connector == "HiCacheConnector"
+                    and extra.get("storage", "file") != "none" else extra}
         if connector == "HiCacheConnector" and not spec.get("by_name"):
             transfer["kv_connector_module_path"] = "hicache_vllm"
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "bfloat16"),

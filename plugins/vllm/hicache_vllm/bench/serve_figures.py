@@ -43,6 +43,7 @@ from hicache_async.sim.ranks.launcher import die_with_parent
 
 from . import launch, require_vllm
 from .engine import THREADS_BIND, pinned_threads
+from ..scheduler import TIERS
 
 LLAMA = {"layers": 8, "hidden": 256, "heads": 4, "intermediate": 512, "vocab": 2048}   # 8 KiB of bf16 KV a token
 BLOCK, DEVICE_KV = 32, 24 << 20                         # 96 blocks: 3,072 tokens
@@ -166,7 +167,7 @@ class Server:
         if self.run in MUST_HIT and not hits:
             raise ServeFailed(f"vllm-serve {self.run}: our connector served no tokens (log {self.log})")
         return {**{s: result[f"{s}_ms"] / 1e3 for s in STATS[:3]}, "duration": result["duration"],
-                "first_uses": first_uses, "connector_hits": hits,
+                "first_uses": first_uses, "connector_hits": hits, "by_tier": tier_means(tier_ttft(metrics)),
                 "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits_total")}
 
     def stop(self) -> None:
@@ -216,8 +217,28 @@ def _first_uses(ttfts: list[float], prefixes: list[int]) -> list[float]:
 
 def _counter(metrics: str, name: str) -> int:
     """A Prometheus counter's value, summed over its label sets."""
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith((name + "{", name + " "))))
+    return int(metric_sum(metrics, name))
+
+
+def metric_sum(metrics: str, name: str, label: str = "") -> float:
+    """A Prometheus series' value, summed over its label sets that carry `label` (k="v")."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith((name + "{", name + " ")) and label in line)
+
+
+def tier_ttft(metrics: str) -> dict[str, list[float]]:
+    """Per tier that served most of a request's prompt (device, host, l3, none): the seconds to
+    first tokens summed, and the requests, as the connector timed them (arrival to first
+    token, in the engine)."""
+    name = "vllm:hicache_time_to_first_token_seconds"
+    return {tier: [metric_sum(metrics, f"{name}_sum", f'tier="{tier}"'),
+                   metric_sum(metrics, f"{name}_count", f'tier="{tier}"')] for tier in TIERS}
+
+
+def tier_means(sums: dict[str, list[float]]) -> dict[str, dict]:
+    """Mean TTFT (ms) and requests per tier, from `tier_ttft`'s sums (added over servers)."""
+    return {tier: {"requests": int(n), "mean_ttft_ms": round(total / n * 1e3, 1) if n else None}
+            for tier, (total, n) in sums.items()}
 
 
 def _tail(text: str, lines: int = 12) -> str:
@@ -239,7 +260,7 @@ def _figures(results: dict[str, dict | str]) -> list[dict]:
                         "goal_max_ratio": FIRST_USE_GOAL, "goal_met": miss["ratio"] <= FIRST_USE_GOAL})
         hits = figure(f"vllm_serve_{run}_connector_hit_tokens", r["connector_hits"], "tokens",
                       "vllm_serve_vllm_prefix_cache_hit_tokens", base["prefix_cache_hits"])
-        figures.append({**hits, "prefix_cache_hit_tokens": r["prefix_cache_hits"]})
+        figures.append({**hits, "prefix_cache_hit_tokens": r["prefix_cache_hits"], "by_tier": r["by_tier"]})
     host, file_l3 = results.get("host"), results.get("small_host_file")
     if isinstance(host, dict) and isinstance(file_l3, dict):
         goal = figure("vllm_serve_file_l3_vs_host_median_ttft_s", file_l3["median_ttft"], "s",
