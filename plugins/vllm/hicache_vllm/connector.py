@@ -76,15 +76,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         for g, group in enumerate(self.groups):     # a plain model: one group, every layer
             mine = {n: kv_caches[n] for n in (group.layers if hybrid else kv_caches) if n in kv_caches}
             names = ordered_layers(mine) if not hybrid else sorted(mine, key=layer_index)
-            layout = worker_layout(
-                mine, num_blocks=self._kv_cache_config.num_blocks, block_size=self.page_size, coords=coords,
+            layout = worker_layout(     # a state block is one state, not a page of tokens
+                mine, num_blocks=self._kv_cache_config.num_blocks,
+                block_size=1 if group.kind == "state" else self.page_size, coords=coords,
                 total_layers=model.get_total_num_hidden_layers(), total_kv_heads=model.get_total_num_kv_heads(),
                 mla=model.use_mla, model_id=self.model_id, group=group if hybrid else None,
                 engine=f"{version_family(vllm.__version__)}|{_backend(cfg, names[0])}"
                        f"|cache_dtype={cfg.cache_config.cache_dtype}|layout={self._kv_cache_config.kv_cache_layout}")
             layers.update({name: (g, i) for i, name in enumerate(names)})
             sides.append(WorkerSide(self.settings, layout, coords, [kv_caches[n] for n in names]))
-        self.worker = GroupedWorker(sides, layers)
+        self.worker = GroupedWorker(sides, layers, frozenset(g for g, group in enumerate(self.groups)
+                                                             if group.kind == "state"))
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """Before every forward pass (or step without one): the worker times the pass from here
@@ -174,8 +176,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in split.items() if v}
 
     def build_connector_meta(self, scheduler_output):
+        state = scheduler_output.kv_connector_block_state     # vLLM clears it before the workers see the plan
         return self.scheduler.build(scheduler_output.num_scheduled_tokens, self._kv_cache_manager.get_block_ids,
-                                    scheduler_output.preempted_req_ids or ())
+                                    scheduler_output.preempted_req_ids or (),
+                                    state.boundary_state_offloads if state is not None else None)
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.first_tokens()

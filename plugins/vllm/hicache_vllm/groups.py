@@ -1,11 +1,12 @@
 """Every KV cache group of a model behind one connector, each group a tier of its own.
 
-vLLM's hybrid KV cache manager gives each group (full attention, a sliding window) its own
-block table. Here each group has its own scheduler side (its host slots, keyed by the same
-page hashes) and, on each worker, its own worker side (host pool, copies, L3 store under the
-group's namespace), so a group's pages only ever hold its own layers' blocks. What the groups
+vLLM's hybrid KV cache manager gives each group (full attention, a sliding window, a Mamba or
+linear-attention state) its own block table. Here each group has its own scheduler side (its
+host slots, keyed by the same page hashes) and, on each worker, its own worker side (host
+pool, copies, L3 store under the group's namespace), so a group's pages only ever hold its own layers' blocks. What the groups
 share is the hit: a prefix is loaded only up to a boundary every group can serve, the full
-groups from its start, a sliding window only the pages its layers still read there. A plain
+groups from its start, a sliding window only the pages its layers still read there, a state
+group only the state at that boundary (never attention KV without it, nor the reverse). A plain
 model is one full-attention group: one side each, exactly as before.
 """
 from __future__ import annotations
@@ -68,8 +69,16 @@ class GroupedScheduler:
         for side in self.sides:
             side.allocated(request, num_external_tokens)
 
-    def build(self, scheduled: dict[str, int], block_ids, preempted=()) -> GroupPlans:
-        """`block_ids(req_id)`: the request's block ids per group (vLLM's tuple)."""
+    def build(self, scheduled: dict[str, int], block_ids, preempted=(), offers=None) -> GroupPlans:
+        """`block_ids(req_id)`: the request's block ids per group (vLLM's tuple). `offers`:
+        vLLM's {request: [(group, block, boundary tokens)]} of state blocks this step completes
+        (`boundary_state_offloads`); a state group saves those and nothing else. A boundary
+        inside a page (a partial tail) is not one a page names: not saved."""
+        for g, side in enumerate(self.sides):
+            if side.offered is not None:
+                side.offered = {r: {tokens // side.page_size - 1: block for group, block, tokens in entries
+                                    if group == g and tokens % side.page_size == 0}
+                                for r, entries in (offers or {}).items()}
         return GroupPlans([side.build(scheduled, lambda r, g=g: block_ids(r)[g], preempted)
                            for g, side in enumerate(self.sides)])
 
@@ -101,8 +110,10 @@ class GroupedScheduler:
 class GroupedWorker:
     """This worker's side of every group; vLLM's layer names map to (group, layer within it)."""
 
-    def __init__(self, sides: list[WorkerSide], layers: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, sides: list[WorkerSide], layers: dict[str, tuple[int, int]],
+                 early: frozenset[int] = frozenset()) -> None:
         self.sides, self.layers = sides, layers
+        self.early = early      # state groups: their loads land before vLLM prepares the pass
         self._keep: dict[str, int] = {}     # finished requests: groups whose saves have not landed
 
     def begin(self, plans: GroupPlans) -> None:
@@ -110,8 +121,9 @@ class GroupedWorker:
             side.begin(plan)
 
     def start(self, plans: GroupPlans) -> None:
-        for side, plan in zip(self.sides, plans.plans):
-            side.start(plan)
+        for g, (side, plan) in enumerate(zip(self.sides, plans.plans)):
+            if g not in self.early:
+                side.start(plan)
 
     def wait_layer(self, name: str) -> None:
         where = self.layers.get(name)
@@ -123,8 +135,15 @@ class GroupedWorker:
             side.finish(plan)
 
     def preempted(self, plans: GroupPlans) -> None:
-        for side, plan in zip(self.sides, plans.plans):
+        """vLLM's first call of a step (`handle_preemptions`), before it prepares the pass: a
+        state group's loads land here, since vLLM then copies a hit's state block into the
+        request's running block (`preprocess_mamba`), before `start_load_kv`, and its Mamba
+        and GDN layers never call `wait_for_layer_load`."""
+        for g, (side, plan) in enumerate(zip(self.sides, plans.plans)):
             side.preempted(plan)
+            if g in self.early:
+                side.start(plan)
+                side.copies.wait_loads()
 
     def finished_sending(self, plans: GroupPlans) -> set[str]:
         """Finished requests whose saves landed in every group."""

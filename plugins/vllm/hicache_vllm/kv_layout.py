@@ -8,7 +8,9 @@ shape, the physical layout and backend, and vLLM's version family. A change of a
 is a miss, never another layout's bytes read as this one's. A tensor that is not such a view
 stops the engine at start-up rather than being guessed at. Under vLLM's hybrid KV cache manager
 each KV cache group's layers are a layout of their own (`kv_groups.py`), numbered within the
-group, and the group's kind, spec and layers go into its namespace.
+group, and the group's kind, spec and layers go into its namespace. A Mamba or GDN layer's
+view is [blocks, 1, 1, state bytes] of int8 (its conv and SSM states, the padding left out):
+a page of such a group is one state block of each of its layers.
 """
 from __future__ import annotations
 

@@ -25,11 +25,12 @@ def refuse_unkeyable(vllm_config) -> None:
     draft's KV at a page's last token mixes in the token after it (vLLM drops such trailing
     blocks from its own prefix cache), and its layers may sit in a KV cache group of their own,
     with block ids our plans do not carry. Drafts without KV (n-gram, suffix, Medusa) leave the
-    model's KV as it is."""
+    model's KV as it is. A hybrid's state groups are judged group by group (`kv_groups.py`); a
+    model of state alone, with no attention to key a hit by, is refused."""
     model, parallel, spec = vllm_config.model_config, vllm_config.parallel_config, vllm_config.speculative_config
-    if model.is_hybrid or model.is_attention_free:
+    if model.is_attention_free:
         raise UsageError(f"HiCacheConnector: {model.model} keeps recurrent (Mamba or linear-attention) state "
-                         f"beside its KV pages; caching that state is not supported yet")
+                         f"and no attention KV; caching a model of state alone is not supported yet")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             raise UsageError(f"HiCacheConnector: {name}={getattr(parallel, name)} is not supported: "

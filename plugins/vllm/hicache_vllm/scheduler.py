@@ -84,6 +84,8 @@ class SchedulerSide:
         self.awaiting: dict[str, RequestPages] = {}     # no first token yet: timed by the tier that served it
         self.ttft: dict[str, list[float]] = {tier: [] for tier in TIERS}    # seconds, since the last take
         self.window = group if group is not None and group.reach else None     # a sliding window's group
+        # a state group's (Mamba, linear attention): {request: {page: block}} vLLM offered this step
+        self.offered: dict[str, dict[int, int]] | None = {} if group is not None and group.kind == "state" else None
         self.slots = HostSlots(settings.host_pages)
         self.keys = RequestKeys(page_size)
         self.l3 = settings.storage != "none"
@@ -375,7 +377,7 @@ class SchedulerSide:
         if not self._extend(st):
             return
         full = min(computed // self.page_size, len(st.hashes))
-        blocks = block_ids(st.request.request_id)
+        blocks = self._saveable(st.request.request_id, block_ids(st.request.request_id))
         todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p]) and self._live(blocks[p])]
         st.saved = max(st.saved, full)
         if not todo:
@@ -427,6 +429,15 @@ class SchedulerSide:
                 return page, end - start
         return start, 0
 
+    def _saveable(self, req_id: str, table: list[int]) -> list[int]:
+        """The blocks a save may read: the block table, or for a state group only the state
+        blocks vLLM offered this step, each at its boundary's page; its table's other blocks
+        hold a running state, not the state at their page's end."""
+        if self.offered is None:
+            return table
+        offered = self.offered.get(req_id, {})
+        return [offered.get(p, NULL_BLOCK) for p in range(len(table))]
+
     def _live(self, block: int) -> bool:
         """Whether a block holds KV: a sliding window's table has vLLM's null block where the
         window moved on (a full-attention table never does)."""
@@ -434,10 +445,14 @@ class SchedulerSide:
 
     def _reused_while_saving(self, block_ids) -> bool:
         """Whether vLLM took back a sliding window's block that a save still reads (its request
-        moved on): every kernel of the step then waits for the saves issued (`fence`)."""
+        moved on): every kernel of the step then waits for the saves issued (`fence`). A state
+        group's offered block need not be in its request's table at all, nor kept once the
+        request finished: any it no longer holds there fences."""
         for copies in self.copying.values() if self.window is not None else ():
             for req_id, page, block in copies.reads:
                 table = block_ids(req_id) if req_id in self.requests else None
+                if table is None and self.offered is not None:
+                    return True
                 if table is not None and (page >= len(table) or table[page] != block):
                     return True
         return False
