@@ -77,10 +77,11 @@ def own_prompt(salt: str) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)]
 
 
-def page_files(store, prompt: list[int], salt: str | None = None) -> list[list]:
-    """Each full page's object files under a file store, in page order."""
+def page_files(store, prompt: list[int], salt: str | None = None, page: int = BLOCK) -> list[list]:
+    """Each full page's object files under a file store, in page order (several where a model
+    has several KV cache groups, one per group that saved the page)."""
     files = [f for f in store.rglob("*") if f.is_file()]
-    return [sorted(f for f in files if f.name.startswith(h)) for h in page_hashes(prompt, BLOCK, salt=salt)]
+    return [sorted(f for f in files if f.name.startswith(h)) for h in page_hashes(prompt, page, salt=salt)]
 
 
 def flip_byte(obj) -> None:

@@ -120,6 +120,11 @@ def gen(prompt: list[int], salt: str | None = None) -> dict:
     return {"op": "generate", "prompt": prompt, "salt": salt, "max_tokens": 8, "logprobs": 3}
 
 
+def gen_many(prompts: list[list[int]], salt: str | None = None) -> dict:
+    """The prompts sent together, one `generate` each, as `gen`."""
+    return {**gen([], salt), "op": "generate_many", "prompts": prompts}
+
+
 def same_output(a: dict, b: dict) -> bool:
     """Greedy tokens and their top-3 logprobs, exactly."""
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]

@@ -18,7 +18,7 @@ import pytest
 
 from hicache_async.config import WRITE_POLICIES
 
-from .engines import RESET, SCHEDULINGS, close_output, gen, run_engine, same_output, tiers
+from .engines import RESET, SCHEDULINGS, close_output, gen, gen_many, run_engine, same_output, tiers
 
 PAGE_TOKENS = 32
 PROMPT_TOKENS = 5 * PAGE_TOKENS + 4     # five full pages each: four prompts are 20 pages a step
@@ -36,13 +36,9 @@ def crowd() -> list[list[int]]:
 def own(llama, crowd) -> tuple[list[dict], list[dict]]:
     """vLLM's own runs, no connector: the prompts four at a time, and each alone (its prefix
     cache reset before each)."""
-    out = run_engine(llama, [_many(crowd[:4]), _many(crowd[4:])] + [s for p in crowd for s in (RESET, gen(p))],
+    out = run_engine(llama, [gen_many(crowd[:4]), gen_many(crowd[4:])] + [s for p in crowd for s in (RESET, gen(p))],
                      **SPEC)
     return out[:8], out[8:]
-
-
-def _many(prompts: list[list[int]], salt: str | None = None) -> dict:
-    return {**gen([], salt), "op": "generate_many", "prompts": prompts}
 
 
 @SCHEDULINGS
@@ -50,7 +46,7 @@ def _many(prompts: list[list[int]], salt: str | None = None) -> dict:
 def test_four_requests_a_step_over_a_small_host_tier_give_vllms_own_output(engines, llama, crowd, own, l3, salt,
                                                                            policy, scheduling):
     extra = {**l3.extra, "host_pages": HOST_PAGES}
-    rounds = [_many(crowd[:4], salt), _many(crowd[4:], salt)]
+    rounds = [gen_many(crowd[:4], salt), gen_many(crowd[4:], salt)]
     written = run_engine(llama, rounds + [RESET] + rounds, {**extra, "write_policy": policy}, **SPEC, **scheduling)
     read = engines.run(llama, [gen(p, salt) for p in crowd], extra, process="reader", **SPEC)
     batched, alone = own
