@@ -52,7 +52,7 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
 
 def _measured(median: float, first_uses: list[float]) -> dict:
     return {"mean_ttft": 9.0, "median_ttft": median, "p99_ttft": 9.0, "duration": 30.0, "first_uses": first_uses,
-            "connector_hits": 100, "prefix_cache_hits": 50}
+            "connector_hits": 100, "prefix_cache_hits": 50, "by_tier": {"host": {"requests": 3, "mean_ttft_ms": 400.0}}}
 
 
 @pytest.mark.parametrize("file_median,met", [(0.65, True), (0.66, False)])
@@ -68,6 +68,7 @@ def test_the_goals_are_the_file_l3_median_over_the_host_median_and_the_first_use
     first = figures["vllm_serve_small_host_file_first_use_ttft_s"]
     assert (first["value"], first["baseline_value"], first["ratio"], first["goal_met"]) == (2.1, 2.0, 1.05, True)
     assert figures["vllm_serve_host_first_use_ttft_s"]["value"] == 2.0
+    assert figures["vllm_serve_host_connector_hit_tokens"]["by_tier"] == {"host": {"requests": 3, "mean_ttft_ms": 400.0}}
 
 
 def test_each_prefix_first_use_is_timed_once_and_the_ready_checked_prefix_never():
