@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .plan import JobReports, StepPlan
-from .scheduler import RequestPages, SchedulerSide
+from .request_pages import RequestPages
+from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 
@@ -42,7 +43,7 @@ class GroupedScheduler:
 
     def __init__(self, sides: list[SchedulerSide]) -> None:
         self.sides = sides
-        self.primary = next((s for s in sides if s.window is None), sides[0])
+        self.primary = next((s for s in sides if s.tables.window is None), sides[0])
         self.requests, self.counts, self.events = self.primary.requests, self.primary.counts, self.primary.events
 
     def matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -57,7 +58,7 @@ class GroupedScheduler:
             if None in hits:
                 return None, False
             hit = min(hits)
-            if all(h == hit for h, side in zip(hits, self.sides) if side.window is not None):
+            if all(h == hit for h, side in zip(hits, self.sides) if side.tables.window is not None):
                 break
             limit = (num_computed_tokens + hit) // self.primary.page_size
         if not hit:
@@ -75,10 +76,10 @@ class GroupedScheduler:
         (`boundary_state_offloads`); a state group saves those and nothing else. A boundary
         inside a page (a partial tail) is not one a page names: not saved."""
         for g, side in enumerate(self.sides):
-            if side.offered is not None:
-                side.offered = {r: {tokens // side.page_size - 1: block for group, block, tokens in entries
-                                    if group == g and tokens % side.page_size == 0}
-                                for r, entries in (offers or {}).items()}
+            if side.tables.offered is not None:
+                side.tables.offered = {r: {tokens // side.page_size - 1: block for group, block, tokens in entries
+                                           if group == g and tokens % side.page_size == 0}
+                                       for r, entries in (offers or {}).items()}
         return GroupPlans([side.build(scheduled, lambda r, g=g: block_ids(r)[g], preempted)
                            for g, side in enumerate(self.sides)])
 

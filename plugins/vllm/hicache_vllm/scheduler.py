@@ -15,53 +15,32 @@ is reused once every load and backup reading it is done. A save never waits: whe
 is free, its pages skip the tier.
 
 A prefix is read from L3 only where the read is expected to finish before computing it would
-(`l3_reads`): the cost model (`prefetch_cost.py`) learns an L3 read's latency and time a page
-from the workers' timed reads, and a token's prefill from their timed forward passes, both
-carried in their reports; now and then a run it would recompute is read anyway, to learn from.
+(`l3_reads.py`); pages are written to L3 as the write policy says (`l3_writes.py`). What a
+group's block tables hold is its kind's (`block_tables.py`).
 """
 from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import structlog
 
-from hicache_async.hicache.prefetch_cost import PrefetchCost
 from hicache_async.keys import tenant_digest
 
+from .block_tables import BlockTables
+from .first_tokens import FirstTokens
 from .host_slots import HostSlots
 from .kv_groups import Group
-from .plan import NULL_BLOCK, Job, JobReports, Move, StepPlan
+from .l3_reads import L3Reads
+from .l3_writes import KNOWN_PAGES, L3Writes
+from .plan import Job, JobReports, Move, StepPlan
 from .request_keys import RequestKeys, reads_external
+from .request_pages import RequestPages
 from .settings import Settings
 from .tier_events import TierEvents
 
 log = structlog.get_logger(__name__)
-KNOWN_PAGES = 1 << 20   # pages the scheduler remembers as stored in L3, and the uses of
-PROBE_EVERY = 8         # runs in a row the cost model would recompute: the next is read, to learn from
-TIERS = ("device", "host", "l3", "none")    # where most of a prompt came from (none: computed)
-
-
-@dataclass
-class RequestPages:
-    """One request's pages as the scheduler tracks them."""
-
-    request: object                      # vLLM's Request, live
-    hashes: list[str] = field(default_factory=list)
-    keyed: bool = True                   # False: something decides its KV that we cannot name
-    looked_in_l3: bool = False
-    job: int | None = None               # the prefetch it waits for
-    load: tuple[int, list[int], tuple] | None = None   # (first page, slots, reader token) to load
-    saved: int = 0                       # leading pages already in the host tier or planned
-    from_host: int = 0                   # tokens it took from the host tier...
-    from_l3: int = 0                     # ...and of those, from L3 through it
-    fenced: int = 0                      # preemptions while its saves were in flight (each worker fenced them)
-    device: int = 0                      # tokens vLLM's own prefix cache gave it
-    start: int = 0                       # the page its hit starts at
-    limit: int | None = None             # the furthest page its hit may reach (every group's, `groups.py`)
-    unfilled: tuple[int, int] | None = None   # pages vLLM counts loaded that no load fills: recomputed
 
 
 @dataclass
@@ -77,15 +56,8 @@ class SchedulerSide:
     def __init__(self, settings: Settings, page_size: int, workers: int, model_id: str = "",
                  group: Group | None = None, page_bytes: int = 1 << 20) -> None:
         self.settings, self.page_size, self.workers, self.model_id = settings, page_size, workers, model_id
-        prior = settings.cache_config()     # the core's figures, until timed reads and passes replace them
-        self.cost = PrefetchCost.learned(page_bytes, page_size, prefill_us_per_token=prior.prefill_us_per_token,
-                                         l3_gbps=prior.l3_gbps, l3_latency_us=prior.l3_latency_us,
-                                         probe_every=PROBE_EVERY)
-        self.awaiting: dict[str, RequestPages] = {}     # no first token yet: timed by the tier that served it
-        self.ttft: dict[str, list[float]] = {tier: [] for tier in TIERS}    # seconds, since the last take
-        self.window = group if group is not None and group.reach else None     # a sliding window's group
-        # a state group's (Mamba, linear attention): {request: {page: block}} vLLM offered this step
-        self.offered: dict[str, dict[int, int]] | None = {} if group is not None and group.kind == "state" else None
+        self.ttft = FirstTokens()
+        self.tables = BlockTables(group, page_size)
         self.slots = HostSlots(settings.host_pages)
         self.keys = RequestKeys(page_size)
         self.l3 = settings.storage != "none"
@@ -94,16 +66,15 @@ class SchedulerSide:
         self.loading: dict[str, RequestPages] = {}      # allocated loads no plan has carried yet
         self.jobs: dict[int, tuple[Job, str, float]] = {}   # unfinished, with their kind and start
         self.copying: dict[int, PlanCopies] = {}        # plans whose copies not every worker reported
-        self.backing_up: set[str] = set()               # pages of unfinished backups
         self.keep: list[str] = []                       # finished requests whose blocks vLLM keeps for us
         self.synchronous = 0                            # workers whose copies land within their step
         self.reports = JobReports()                     # of what not every worker has reported yet
-        self.stored_l3: OrderedDict[str, None] = OrderedDict()   # pages known to be in L3, the latest
-        self.uses: OrderedDict[str, int] = OrderedDict()         # uses per page (selective write-through)
+        self.l3_writes = L3Writes(settings, self.slots, self._job)
         self.plan = StepPlan()
         self.events = TierEvents(page_size, settings.host_pages, KNOWN_PAGES)
         self.counts = {"host_hit_tokens": 0, "l3_hit_tokens": 0, "l3_prefetched_pages": 0, "l3_looked_pages": 0,
                        "l3_declined_pages": 0}     # declined: runs recomputing was expected to beat reading
+        self.l3_reads = L3Reads(settings, page_size, page_bytes, self.counts)
         self._ids = itertools.count()
         self._steps = itertools.count(1)
 
@@ -127,10 +98,9 @@ class SchedulerSide:
         st = self.requests.get(request.request_id)
         if st is None:
             st = self.requests[request.request_id] = RequestPages(request)
-        if not getattr(request, "num_output_tokens", 0):    # asked again after preemption: timed already
-            self.awaiting[request.request_id] = st          # (`groups.py` makes `st` before this)
+        self.ttft.asked(request, st)        # (`groups.py` makes `st` before this)
         st.device = num_computed_tokens
-        if self._extend(st) is None:
+        if st.extend(self.keys) is None:
             return None, False              # its keys are still being made
         if not st.looked_in_l3:
             self._use(st, range(min(num_computed_tokens // self.page_size, len(st.hashes))))  # device hits
@@ -145,7 +115,7 @@ class SchedulerSide:
         stop = min(len(st.hashes), (request.num_prompt_tokens - 1) // self.page_size,
                    len(st.hashes) if st.limit is None else st.limit)
         start = st.start = num_computed_tokens // self.page_size
-        first, run = self._loadable(st.hashes, start, stop) if start < stop else (start, 0)
+        first, run = self.tables.loadable(self.slots, st.hashes, start, stop) if start < stop else (start, 0)
         if run:     # held from now: no take, the request's own prefetch's included, may evict them
             slots, token = self.slots.touch(st.hashes[first:start + run]), ("load", next(self._ids))
             self.slots.read(token, slots)
@@ -153,8 +123,8 @@ class SchedulerSide:
         missing = stop - start - run
         if self.l3 and not st.looked_in_l3 and missing >= self.settings.prefetch_min_pages:
             st.looked_in_l3 = True
-            reads = max(start + run, self.window.first_read(stop, self.page_size)) if self.window else start + run
-            if self._pays(stop - reads) and self._prefetch(st, st.hashes[reads:stop]):
+            reads = self.tables.first_read(start + run, stop)
+            if self.l3_reads.pays(stop - reads) and self._prefetch(st, st.hashes[reads:stop]):
                 return None, False          # the run stays held while the rest is read
         st.looked_in_l3 = True
         return run * self.page_size, False
@@ -168,7 +138,7 @@ class SchedulerSide:
             return
         first, slots, token = st.load
         end = st.start + num_external_tokens // self.page_size
-        if self.window is None:
+        if self.tables.window is None:
             slots = slots[:end - first]
         elif first + len(slots) != end:     # a window serves only the boundary it ends at
             self.slots.done(token)
@@ -195,11 +165,11 @@ class SchedulerSide:
             table = block_ids(req_id)
             blocks = table[first:first + len(slots)]
             plan.loads.append(Move(req_id, slots, blocks, st.hashes[first:first + len(slots)]).keeping(
-                [self._live(b) for b in blocks]))       # vLLM's window may start later than ours
+                [self.tables.live(b) for b in blocks]))       # vLLM's window may start later than ours
             copies.loads.append(token)
             st.load = None
             if st.unfilled is not None:
-                plan.unfilled += [b for b in table[slice(*st.unfilled)] if self._live(b)]
+                plan.unfilled += [b for b in table[slice(*st.unfilled)] if self.tables.live(b)]
                 st.unfilled = None
         loaded = {block for move in plan.loads for block in move.blocks}
         for req_id, n in scheduled.items():
@@ -208,7 +178,8 @@ class SchedulerSide:
                 self._save(plan, copies, st, st.request.num_computed_tokens + n, block_ids, loaded)
         if plan.copies:
             self.copying[plan.step] = copies
-        plan.fence = self._reused_while_saving(block_ids)
+        plan.fence = self.tables.reused((read for c in self.copying.values() for read in c.reads),
+                                        lambda r: block_ids(r) if r in self.requests else None)
         plan.keep, self.keep = self.keep, []
         plan.preempted = list(preempted)
         for st in filter(None, map(self.requests.get, plan.preempted)):
@@ -222,8 +193,7 @@ class SchedulerSide:
         CPU), and what its `kv_transfer_params` say of where its prefix came from and of the
         preemptions that took its blocks while its saves were in flight."""
         st = self.requests.pop(request.request_id, None)
-        self._first_token(request.request_id)      # vLLM frees a request stopped by its first token first
-        self.awaiting.pop(request.request_id, None)
+        self.ttft.finished(request.request_id)
         if st is None:
             return False, {}
         if self.loading.pop(request.request_id, None) is not None or st.load is not None:
@@ -240,10 +210,7 @@ class SchedulerSide:
         a page stored and then evicted within one report is not left announced."""
         if reports is None:
             return
-        for pages, seconds in reports.reads:
-            self.cost.observe_read(pages, seconds)
-        for tokens, seconds in reports.passes:
-            self.cost.observe_prefill(tokens, seconds)
+        self.l3_reads.learn(reports)
         for slot, n in reports.held.items():
             self.slots.late(slot, n)
         for slot, n in reports.released.items():
@@ -255,40 +222,17 @@ class SchedulerSide:
             self._copied(step, failed=bool(self.reports.failed.pop(step, 0)))
         for job in [job for job, (seen, _) in self.reports.done.items() if seen >= self.workers]:
             self._done(job, self.reports.done.pop(job)[1])
-        for page in reports.evicted:
-            self.stored_l3.pop(page, None)
+        self.l3_writes.evicted(reports.evicted)
         self.events.removed(sorted(reports.evicted), "STORAGE")
 
     def first_tokens(self) -> None:
-        """After vLLM took a step's output: each request's first token, timed from its arrival
-        and filed under the tier that served most of its prompt."""
-        for req_id in list(self.awaiting):
-            self._first_token(req_id)
-
-    def _first_token(self, req_id: str) -> None:
-        """The request's first token, if it has one, timed and no longer awaited."""
-        st = self.awaiting.get(req_id)
-        request = st.request if st is not None else None
-        if request is None or getattr(request, "num_output_tokens", 0) <= 0:
-            return
-        del self.awaiting[req_id]
-        arrived = getattr(request, "arrival_time", None)
-        if arrived is not None:
-            l3, host = st.from_l3, st.from_host - st.from_l3
-            tokens = (st.device, host, l3, request.num_prompt_tokens - st.device - host - l3)
-            self.ttft[TIERS[tokens.index(max(tokens))]].append(time.time() - arrived)
+        """After vLLM took a step's output: each request's first token, timed (`first_tokens.py`)."""
+        self.ttft.first_tokens()
 
     def observed(self) -> dict:
         """For the stats: first-token seconds by tier since the last call (samples), and the
         cost model's estimates (gauges)."""
-        out = {f"ttft_{tier}_seconds": samples for tier, samples in self.ttft.items() if samples}
-        self.ttft = {tier: [] for tier in TIERS}
-        if self.l3:
-            cost = self.cost
-            out.update({"l3_read_latency_seconds": {"scheduler": cost.latency_s},
-                        "l3_read_seconds_per_page": {"scheduler": cost.page_read_s},
-                        "prefill_seconds_per_token": {"scheduler": cost.prefill_s}})
-        return out
+        return {**self.ttft.take(), **(self.l3_reads.estimates() if self.l3 else {})}
 
     def close(self) -> None:
         """At shutdown: one line for the backups decided but never delivered to a worker."""
@@ -311,14 +255,9 @@ class SchedulerSide:
         """`n` host slots at most, FREE now; under write_back, pages that leave reach L3 first,
         in `plan` (their slots serve a later step)."""
         backup = ("leaving",)       # holds the leaving slots till their backups read them
-        write_back = self.l3 and self.settings.write_policy == "write_back"
-        slots, leaving = self.slots.take(n, lambda h: write_back and h not in self.stored_l3, backup)
+        slots, leaving = self.slots.take(n, lambda h: self.l3 and self.l3_writes.leaves_through_l3(h), backup)
         self.events.removed(self.slots.evicted(), "CPU")
-        for tenant in dict.fromkeys(t for _, _, t in leaving):      # one backup a tenant
-            mine = [(h, s) for h, s, t in leaving if t == tenant]
-            job = self._job(plan.backups, "backup", [h for h, _ in mine], tenant, [s for _, s in mine])
-            self.slots.read(job.job, job.slots)
-            self.backing_up.update(job.hashes)
+        self.l3_writes.leaving(plan, leaving)
         self.slots.done(backup)     # the backups read the leaving slots now
         return slots
 
@@ -336,49 +275,22 @@ class SchedulerSide:
         self.counts["l3_looked_pages"] += len(hashes)
         return True
 
-    def _pays(self, pages: int) -> bool:
-        """Whether to read a run of `pages` from L3 (`l3_reads`): under auto, where the cost model
-        expects the read to finish before their prefill would (or probes)."""
-        if self.settings.l3_reads != "auto":
-            return self.settings.l3_reads == "always"
-        if self.cost.decide(pages, pages * self.page_size).fetch:
-            return True
-        self.counts["l3_declined_pages"] += pages
-        return False
-
     def _overdue(self, job_id: int) -> bool:
         """A prefetch not every worker reported within `storage_timeout`: a hung call, or a
         worker that never answers, costs a recompute, not a request parked for ever."""
         job = self.jobs.get(job_id)
         return job is None or self.clock() - job[2] > self.settings.storage_timeout
 
-    def _backup(self, plan: StepPlan, pages: list[str], tenant: bytes, req_ids: list[str] = (),
-                after_save: list[int] | None = None) -> None:
-        """Back up `pages` that L3 is not known to hold and no backup is storing already: HOLDING
-        ones, or (`after_save`, their slots) ones this plan saves, which each worker backs up
-        once its save landed. Their slots are read by the backup (never reused) till every
-        worker reported it."""
-        slot_of = dict(zip(pages, after_save)) if after_save is not None else {}
-        todo = [h for h in dict.fromkeys(pages) if h not in self.stored_l3 and h not in self.backing_up
-                and (h in slot_of or self.slots.holding(h))]
-        if not todo:
-            return
-        slots = [slot_of.get(h, self.slots.slot_of[h]) for h in todo]
-        job = self._job(plan.backups, "backup", todo, tenant, slots, req_ids=req_ids)
-        job.after_save = after_save is not None
-        self.slots.read(job.job, slots, after_fill=job.after_save)
-        self.backing_up.update(todo)
-
     def _save(self, plan: StepPlan, copies: PlanCopies, st: RequestPages, computed: int, block_ids,
               loaded: set[int]) -> None:
         """Host slots for the request's pages that this step completes, not yet in the tier;
         with its block table up to them where this plan loads one of those blocks (a worker
         drops the saves a failed load spoils)."""
-        if not self._extend(st):
+        if not st.extend(self.keys):
             return
         full = min(computed // self.page_size, len(st.hashes))
-        blocks = self._saveable(st.request.request_id, block_ids(st.request.request_id))
-        todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p]) and self._live(blocks[p])]
+        blocks = self.tables.saveable(st.request.request_id, block_ids(st.request.request_id))
+        todo = [p for p in range(st.saved, full) if not self.slots.has(st.hashes[p]) and self.tables.live(blocks[p])]
         st.saved = max(st.saved, full)
         if not todo:
             return
@@ -394,13 +306,11 @@ class SchedulerSide:
         for h, slot in zip(pages, slots):
             self.slots.fill(slot, h, tenant, ("save", plan.step), indexed=True)
         copies.saves.append((st, todo, slots))
-        if self.window is not None:     # vLLM frees these blocks as the window moves on, saved or not
+        if self.tables.window is not None:  # vLLM frees these blocks as the window moves on, saved or not
             copies.reads += [(st.request.request_id, p, blocks[p]) for p in todo]
         self._use(st, todo)
-        worthy = [(h, slot) for h, slot in zip(pages, slots) if self._worth_backing_up(h)]
-        if self.l3 and worthy:      # in this plan, so it is delivered even if no step follows
-            self._backup(plan, [h for h, _ in worthy], tenant, [st.request.request_id],
-                         after_save=[s for _, s in worthy])
+        if self.l3:
+            self.l3_writes.saved(plan, pages, slots, tenant, [st.request.request_id])
 
     def _copied(self, step: int, failed: bool) -> None:
         """Every worker's copies of plan `step` landed: its loads' slots are free to go, its
@@ -413,67 +323,9 @@ class SchedulerSide:
             held = set(self.slots.filled(("save", step), slots, verified=0 if failed else None))
             self.events.stored(st.request, [p for p in todo if st.hashes[p] in held], st.hashes, "CPU")
 
-    def _loadable(self, hashes: list[str], start: int, stop: int) -> tuple[int, int]:
-        """What a hit loads: (its first page, its pages past `start`). Full attention: the
-        HOLDING run from `start`. A sliding window: the furthest boundary up to `stop` whose
-        window (the pages from `start` on that its layers still read) the tier holds; vLLM
-        leaves the blocks before that window null. Scanned once, backwards: a gap rules out
-        every boundary past it."""
-        if self.window is None:
-            return start, self.slots.run(hashes, start, stop)
-        end = stop
-        for page in range(stop - 1, start - 1, -1):
-            if not self.slots.holding(hashes[page]):
-                end = page
-            elif page <= max(start, self.window.first_read(end, self.page_size)):
-                return page, end - start
-        return start, 0
-
-    def _saveable(self, req_id: str, table: list[int]) -> list[int]:
-        """The blocks a save may read: the block table, or for a state group only the state
-        blocks vLLM offered this step, each at its boundary's page; its table's other blocks
-        hold a running state, not the state at their page's end."""
-        if self.offered is None:
-            return table
-        offered = self.offered.get(req_id, {})
-        return [offered.get(p, NULL_BLOCK) for p in range(len(table))]
-
-    def _live(self, block: int) -> bool:
-        """Whether a block holds KV: a sliding window's table has vLLM's null block where the
-        window moved on (a full-attention table never does)."""
-        return self.window is None or block != NULL_BLOCK
-
-    def _reused_while_saving(self, block_ids) -> bool:
-        """Whether vLLM took back a sliding window's block that a save still reads (its request
-        moved on): every kernel of the step then waits for the saves issued (`fence`). A state
-        group's offered block need not be in its request's table at all, nor kept once the
-        request finished: any it no longer holds there fences."""
-        for copies in self.copying.values() if self.window is not None else ():
-            for req_id, page, block in copies.reads:
-                table = block_ids(req_id) if req_id in self.requests else None
-                if table is None and self.offered is not None:
-                    return True
-                if table is not None and (page >= len(table) or table[page] != block):
-                    return True
-        return False
-
     def _saving(self, st: RequestPages) -> bool:
         """Whether some of the request's saves have not landed on every worker yet."""
         return any(s is st for copies in self.copying.values() for s, _, _ in copies.saves)
-
-    def _worth_backing_up(self, page: str) -> bool:
-        policy = self.settings.write_policy
-        return policy == "write_through" or (policy == "write_through_selective" and self.uses.get(page, 0) >= 2)
-
-    def _extend(self, st: RequestPages) -> bool | None:
-        """Hashes for every full page of the request's tokens so far; None while its keys are
-        still being made, False when it cannot be keyed."""
-        if st.keyed:
-            ready = self.keys.extend(st.request, st.hashes)
-            if ready is None:
-                return None
-            st.keyed = ready
-        return st.keyed
 
     def _unload(self, st: RequestPages) -> None:
         """Drop a load no plan carries (vLLM took fewer tokens, or asks again): its slots are
@@ -484,29 +336,17 @@ class SchedulerSide:
             st.load = None
 
     def _use(self, st: RequestPages, pages) -> None:
-        """Count a use of the request's `pages` (indices): computed, or reused from vLLM's
-        device cache or our host tier. write_through_selective backs a page up on its second
-        use, from its host slot once its copy landed."""
-        if self.settings.write_policy != "write_through_selective":
-            return
-        again = []
-        for h in (st.hashes[p] for p in pages):
-            self.uses[h] = self.uses.pop(h, 0) + 1
-            if self.uses[h] >= 2:
-                again.append(h)
-        _forget_oldest(self.uses)
+        """Count a use of the request's `pages` (indices); a page used again may be backed up
+        now, from its host slot once its copy landed (`l3_writes.py`)."""
+        again = self.l3_writes.used(st.hashes[p] for p in pages)
         if self.l3 and again:
-            self._backup(self.plan, again, tenant_digest(st.request.cache_salt), [st.request.request_id])
+            self.l3_writes.back_up(self.plan, again, tenant_digest(st.request.cache_salt), [st.request.request_id])
 
     def _done(self, job_id: int, pages: int) -> None:
         job, kind, _ = self.jobs.pop(job_id)
-        self.stored_l3.update(dict.fromkeys(job.hashes[:pages]))
-        for h in job.hashes[pages:]:    # missing or failed verification (and removed): store it again
-            self.stored_l3.pop(h, None)
-        _forget_oldest(self.stored_l3)
+        self.l3_writes.done(job, kind, pages)
         if kind == "backup":
             self.slots.done(job_id)
-            self.backing_up.difference_update(job.hashes)
             self.events.stored_hashes(job.hashes[:pages], "STORAGE")
             return
         put = self.slots.filled(job_id, job.slots, verified=pages, from_l3=True)
@@ -519,9 +359,3 @@ class SchedulerSide:
                 self.events.stored_hashes(put, "CPU", st.request, st.hashes)
         self.events.removed(job.hashes[pages:pages + 1], "STORAGE")     # missing or damaged: not there
 
-
-def _forget_oldest(known: OrderedDict) -> None:
-    """Keep what the scheduler remembers of pages bounded: a page forgotten costs at most a
-    backup that finds its object already stored, or a second use counted as a first."""
-    while len(known) > KNOWN_PAGES:
-        known.popitem(last=False)

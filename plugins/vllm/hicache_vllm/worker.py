@@ -14,30 +14,22 @@ was computed over a block that a load of its step refused or failed to fill, is 
 and reported `failed`, and the scheduler frees its slot on every worker (no announcement, no
 backup); a failed load's blocks are load errors, which vLLM recomputes.
 
-L3 work runs in the background on an anyio event loop of the worker's own (a blocking portal),
-its storage calls on worker threads under one capacity limiter per kind; each finished job is
-reported once. A prefetch starts as its plan is bound, before the forward pass, so a read
-shorter than the pass is reported with the pass and its request waits one step, not two; it
-reads straight into the FILLING slots the scheduler took for it; an
-L3 call given up on may still write into the slots past the verified run, and they are
-reported held until it returns. The worker checks the slot rules it can see (a write into a
-slot a backup reads, a load from a slot that holds another page) and drops such pages; the
-count is `slot_violations`, zero unless the scheduler is wrong.
+L3 work runs in the background (`l3_jobs.py`). A prefetch starts as its plan is bound, before
+the forward pass, so a read shorter than the pass is reported with the pass and its request
+waits one step, not two. What the worker has yet to report, and its counts, are its acks
+(`acks.py`). The worker checks the slot rules it can see (a write into a slot a backup reads, a
+load from a slot that holds another page) and drops such pages; the count is
+`slot_violations`, zero unless the scheduler is wrong.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import math
-import threading
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
-import anyio
-import anyio.from_thread
 import structlog
 
 from hicache_async.errors import StorageError
@@ -53,13 +45,13 @@ from hicache_async.transfer.l3_session import l3_session
 from hicache_async.transfer.sim_device import SimDevice
 
 from . import shutdown
+from .acks import Acks
+from .l3_jobs import L3Jobs
 from .plan import Job, JobReports, Move, StepPlan
 from .settings import Settings
 from .observed import OBSERVED
 
 log = structlog.get_logger(__name__)
-IDLE_WAIT_S = 0.05  # longest an engine step with no forward pass waits for a prefetch
-_FLUSH_JOBS = itertools.count(-1, -1)     # shutdown's own backups: ids no scheduler hands out
 FENCE_TIMEOUT_S = 60.0  # longest a preemption waits for its saves to be issued: then the engine stops
 
 
@@ -83,14 +75,11 @@ class WorkerSide:
             setup_telemetry(service_name="hicache-vllm", coords=coords, logs=False)
         self.host = HostPool(layout, settings.host_pages)
         self.copies = BlockCopies(kv, self.host, device=self._simulated_device())
-        self._stack = contextlib.ExitStack()
-        self.store = self._open_store(coords) if settings.storage != "none" else None
-        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
-        self._limiters = {kind: self._portal.call(anyio.CapacityLimiter, 2) for kind in ("backup", "prefetch")}
-        self._lock = threading.Lock()
         self.pages: dict[int, tuple[str, bytes]] = {}    # slot -> (page, tenant) it holds or is filled with
-        self.in_l3: set[str] = set()                     # pages this worker stored or read (for the flush)
-        self._reading: Counter[int] = Counter()          # slots its unfinished backups read (no zeros)
+        self.acks = Acks(synchronous=int(not self.copies.streamed and not settings.late_copies))
+        self._stack = contextlib.ExitStack()
+        store = self._open_store(coords) if settings.storage != "none" else None
+        self.jobs = L3Jobs(self._stack, store, self.host, self.pages, self.acks, self._span)
         self._landing: list[PlanCopies] = []             # in plan order
         self._step = 0                                   # the latest plan seen (late_copies lands only older ones)
         self._saving: Counter[str] = Counter()           # per request: plans whose saves have not landed
@@ -98,29 +87,16 @@ class WorkerSide:
         self._load_errors: set[int] = set()              # vLLM blocks a load could not fill, to report
         self._bad: set[int] = set()                      # ...and those of this step's loads, for its saves
         self._loaded: list[int] = []                     # blocks this step's loads fill
-        self._held: Counter[int] = Counter()             # slots late reads may write: to report...
-        self._released: Counter[int] = Counter()         # ...and those whose late reads returned
-        self._finished: dict[int, int] = {}              # job -> pages, not yet reported
-        self._copied: Counter[int] = Counter()           # plans whose copies landed, not yet reported
-        self._failed: Counter[int] = Counter()           # ...of those, plans some of whose saves were dropped
-        self._synchronous = int(not self.copies.streamed and not settings.late_copies)   # said in the first report
-        self._running: dict[Future, int] = {}            # L3 jobs under way -> pages they write
-        self._prefetching: set[Future] = set()
-        self._prefetched: StepPlan | None = None         # the latest plan whose prefetches started
         self._began: float | None = None                 # when the bound plan's forward pass began
-        self._reads: list[tuple[int, float]] = []        # timed L3 reads (pages, seconds), to report...
-        self._passes: list[tuple[int, float]] = []       # ...and timed forward passes (tokens, seconds)
         self._load_span = None
         self._load_event = None                          # this step's loads, landed on it
-        self.counts = {"host_loaded_pages": 0, "host_saved_pages": 0, "l3_stored_pages": 0, "l3_read_pages": 0,
-                       "slot_violations": 0, "failed_saves": 0, "fenced_preemptions": 0}
         self._closed = False
         atexit.register(self.close)     # vLLM's in-process engine may exit without a shutdown call
         if kv[0].is_cuda:
             log.info("hicache: vLLM captures piecewise CUDA graphs: layer-by-layer loads wait beside attention, "
                      "which a full graph would replay without them")
-        if self.store is not None:      # each L3 read and write timed, for the stats (stats.py, shutdown.py)
-            self.store.adapter = OBSERVED.timed(self.store.adapter, self.backup_queue)
+        if store is not None:       # each L3 read and write timed, for the stats (stats.py, shutdown.py)
+            store.adapter = OBSERVED.timed(store.adapter, self.backup_queue)
             shutdown.on_signals(settings.flush_timeout)
 
     def _simulated_device(self) -> SimDevice | None:
@@ -149,7 +125,7 @@ class WorkerSide:
         """The plan is bound, its forward pass about to run: the pass is timed from here, and
         its prefetches start now, reading beside the pass."""
         self._began = time.perf_counter()
-        self._start_prefetches(plan)
+        self.jobs.start_prefetches(plan)
 
     def start(self, plan: StepPlan) -> None:
         """Before the forward pass: this step's loads start (on a GPU; on a CPU each layer is
@@ -165,7 +141,7 @@ class WorkerSide:
         self._load_span = self._moves_span(TransferKind.LOAD, loads)
         slots, self._loaded = _flat(loads)
         self._load_event = self.copies.load(slots, self._loaded) if slots else None
-        self._count(host_loaded_pages=len(slots))
+        self.acks.count(host_loaded_pages=len(slots))
 
     def _loadable(self, move: Move) -> Move:
         """The move without slots that do not hold its pages here: their blocks become load
@@ -173,7 +149,7 @@ class WorkerSide:
         ok = [self.pages.get(s, ("",))[0] == p for s, p in zip(move.slots, move.pages)]
         if all(ok):
             return move
-        self._violation("load from a slot that holds another page", move.slots, ok)
+        self.acks.violation("load from a slot that holds another page", move.slots, ok)
         for slot in (s for s, fine in zip(move.slots, ok) if not fine):
             self.pages.pop(slot, None)      # it holds no page we can name
         self._bad.update(b for b, fine in zip(move.blocks, ok) if not fine)
@@ -192,7 +168,7 @@ class WorkerSide:
         whose page was computed over a block this step's loads did not fill right is dropped."""
         began, self._began = self._began, None
         if began is not None and plan.tokens and not plan.idle:
-            self._passes.append((plan.tokens, time.perf_counter() - began))
+            self.acks.passes.append((plan.tokens, time.perf_counter() - began))
         self._step = plan.step
         self.copies.wait_loads()
         if self._load_span is not None:
@@ -218,27 +194,14 @@ class WorkerSide:
         span = self._moves_span(TransferKind.WRITE, saves)
         if span is not None:
             spans.finish_transfer(span)
-        self._count(host_saved_pages=len(slots))
+        self.acks.count(host_saved_pages=len(slots))
         for job in plan.backups:
             if not job.after_save:
-                self._background("backup", job)
+                self.jobs.start("backup", job)
         self._land()
-        self._start_prefetches(plan)
+        self.jobs.start_prefetches(plan)
         if plan.idle:
-            self._await_prefetch()
-
-    def _start_prefetches(self, plan: StepPlan) -> None:
-        """The plan's prefetches, once (at `begin`, or in `finish` where nothing bound it)."""
-        if plan is self._prefetched:
-            return
-        self._prefetched = plan
-        self._prefetching = {f for f in self._prefetching if not f.done()}
-        for job in plan.prefetches:
-            for slot in job.slots:
-                self.pages.pop(slot, None)
-            future = self._background("prefetch", job)
-            if future is not None:
-                self._prefetching.add(future)
+            self.jobs.await_prefetch()
 
     def _kept_saves(self, plan: StepPlan, bad: set[int]) -> list[Move]:
         """The plan's saves this worker makes: none computed over a `bad` block (one a load of
@@ -250,7 +213,7 @@ class WorkerSide:
             self._drop_saves(plan.step, spoiled, "computed over a block whose load failed")
         saves = [self._writable(move) for move in saves]
         if _pages(saves) < _pages(plan.saves):
-            self._failed[plan.step] = 1
+            self.acks.failed[plan.step] = 1
         return saves
 
     def preempted(self, plan: StepPlan) -> None:
@@ -261,7 +224,7 @@ class WorkerSide:
         self._land()
         if any(self._saving[r] for r in plan.preempted):
             self.copies.fence_saves(FENCE_TIMEOUT_S)
-            self._count(fenced_preemptions=1)
+            self.acks.count(fenced_preemptions=1)
 
     def _drain(self, timeout: float) -> None:
         """Wait, bounded, for every copy issued to land, and its chained backups to start."""
@@ -292,14 +255,13 @@ class WorkerSide:
             if failure is not None and c.saved:
                 self._drop_saves(c.step, c.saved, f"copy failed: {failure}")
                 c.saved = set()
-            self._copied[c.step] += 1
+            self.acks.copied[c.step] += 1
             self._saving -= c.saves
             for job in c.chained:
                 if c.saved.issuperset(job.slots):
-                    self._background("backup", job)
+                    self.jobs.start("backup", job)
                 else:       # a save dropped here: nothing of ours to store, nothing read
-                    with self._lock:
-                        self._finished[job.job] = 0
+                    self.acks.ended(job.job, 0)
 
     def _landed(self, c: PlanCopies) -> bool:
         late = self.settings.late_copies and c.step >= self._step
@@ -316,28 +278,16 @@ class WorkerSide:
         log.warning(f"hicache: saved pages dropped ({why}); their slots are freed", step=step, pages=len(slots))
         for slot in slots:
             self.pages.pop(slot, None)
-        self._failed[step] = 1
-        self._count(failed_saves=len(slots))
-
-    def _await_prefetch(self) -> None:
-        """An engine step with no forward pass has only L3 to wait for: wait (a little) for a
-        prefetch to finish, so its report goes out this step, instead of spinning through empty
-        steps that hold the GIL while the reading thread needs it."""
-        if self._prefetching:
-            wait(self._prefetching, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        self.acks.failed[step] = 1
+        self.acks.count(failed_saves=len(slots))
 
     def _writable(self, move: Move) -> Move:
         """The move without slots a backup here still reads (never, if the scheduler is right)."""
-        ok = [not self._reading[s] for s in move.slots]
+        ok = [not self.jobs.reading[s] for s in move.slots]
         if all(ok):
             return move
-        self._violation("write into a slot a backup reads", move.slots, ok)
+        self.acks.violation("write into a slot a backup reads", move.slots, ok)
         return move.keeping(ok)
-
-    def _violation(self, what: str, slots: list[int], ok: list[bool]) -> None:
-        bad = [s for s, fine in zip(slots, ok) if not fine]
-        log.error(f"hicache: slot rule broken ({what}); those pages are dropped", slots=bad)
-        self._count(slot_violations=len(bad))
 
     def _moves_span(self, kind: TransferKind, moves: list):
         """The span of a step's loads or saves; None when there are none."""
@@ -349,21 +299,15 @@ class WorkerSide:
         return spans.start_transfer(kind, pages=pages, nbytes=pages * self.layout.page_bytes, coords=self.coords,
                                     key_scheme=self.settings.key_scheme, attrs={"vllm.request_ids": req_ids})
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                self.counts[name] += n
-
     def backup_queue(self) -> int:
         """Slots this worker's backups still read: the backup queue's depth, in pages."""
-        return len(self._reading)
+        return len(self.jobs.reading)
 
     def totals(self) -> dict[str, int]:
         """This worker's counts and its store's (corrupt, forged, missing objects, errors)."""
-        with self._lock:
-            totals = dict(self.counts)
-        if self.store is not None:
-            c = self.store.counters
+        totals = self.acks.totals()
+        if self.jobs.store is not None:
+            c = self.jobs.store.counters
             totals.update(l3_corrupt_objects=c.corrupt_objects, l3_forged_objects=c.forged_objects,
                           l3_missing_objects=c.missing_objects, l3_healed_objects=c.healed_objects,
                           l3_errors=c.storage_errors,
@@ -374,110 +318,7 @@ class WorkerSide:
         """Plans whose copies landed, finished jobs, slots late reads hold or released, and
         pages the store evicted (no longer in L3, for the flush either)."""
         self._land()
-        with self._lock:
-            done, self._finished = self._finished, {}
-            held, self._held = self._held, Counter()
-            released, self._released = self._released, Counter()
-            reads, self._reads = self._reads, []
-        passes, self._passes = self._passes, []
-        copied, self._copied = self._copied, Counter()
-        failed, self._failed = self._failed, Counter()
-        synchronous, self._synchronous = self._synchronous, 0
-        evicted = self.store.evicted_pages() if self.store is not None else set()
-        self.in_l3.difference_update(evicted)
-        if not (done or copied or held or released or synchronous or evicted or reads or passes):
-            return None
-        return JobReports({job: (1, pages) for job, pages in done.items()}, copied, held, released, synchronous,
-                          evicted, failed, reads, passes)
-
-    # -- L3 --------------------------------------------------------------------------------
-
-    def _background(self, kind: str, job: Job) -> Future | None:
-        if kind == "backup":
-            with self._lock:
-                self._reading.update(job.slots)     # each slot once a job: a count above zero
-        if self.store is None:      # nothing to do, but the scheduler waits for every job
-            self._ended(kind, job, 0)
-            return None
-        future = self._portal.start_task_soon(self._in_thread, kind, job)
-        self._running[future] = len(job.hashes) if kind == "backup" else 0
-        future.add_done_callback(lambda f: self._running.pop(f, None))
-        return future
-
-    async def _in_thread(self, kind: str, job: Job) -> None:
-        span = self._span(TransferKind(kind), len(job.hashes), job.req_ids)
-        error, pages = None, 0
-        try:
-            pages = await anyio.to_thread.run_sync(self._run, kind, job, limiter=self._limiters[kind],
-                                                   abandon_on_cancel=True)
-        except Exception as exc:    # noqa: BLE001 - a failed job is a miss, never a crash
-            log.warning("hicache L3 job failed; its pages are a miss", kind=kind, job=job.job, error=str(exc))
-            error = exc
-        finally:
-            self._ended(kind, job, pages)
-        spans.finish_transfer(span, error=error, attrs={"hicache.pages_done": pages})
-
-    def _run(self, kind: str, job: Job) -> int:
-        return self._backup(job) if kind == "backup" else self._prefetch(job)
-
-    def _ended(self, kind: str, job: Job, pages: int) -> None:
-        """The job is over (done, failed or cancelled): its slots are no longer read here, and
-        its report goes out."""
-        with self._lock:
-            if kind == "backup":
-                for slot in job.slots:
-                    if self._reading[slot] > 1:
-                        self._reading[slot] -= 1
-                    else:
-                        del self._reading[slot]
-            self._finished[job.job] = pages
-
-    def _backup(self, job: Job) -> int:
-        """Store the job's pages from its slots, up to the first whose slot no longer names it
-        here (its save failed or was dropped): never a slot's bytes under another page's key."""
-        named = [self.pages.get(s) == (h, job.tenant) for s, h in zip(job.slots, job.hashes)]
-        n = named.index(False) if False in named else len(named)
-        if n < len(named):
-            log.warning("hicache: backup stopped at a slot that no longer holds its page", job=job.job,
-                        skipped=len(named) - n)
-        if not n:
-            return 0
-        result = self.store.backup(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
-        stored = next((i for i, ok in enumerate(result.ok) if not ok), len(result.ok))
-        self.in_l3.update(job.hashes[:stored])
-        self._count(l3_stored_pages=stored)
-        return stored
-
-    def _prefetch(self, job: Job) -> int:
-        """Read the job's pages into its slots; slots a late call may still write into are
-        reported held."""
-        ok = [not self._reading[s] for s in job.slots]
-        n = next((i for i, fine in enumerate(ok) if not fine), len(ok))
-        if n < len(ok):
-            self._violation("prefetch into a slot a backup reads", job.slots[n:], [False] * (len(ok) - n))
-        started = time.perf_counter()
-        result = self.store.prefetch(job.hashes[:n], self.host, job.slots[:n], tenant=job.tenant)
-        if n:       # a read given up on at its deadline cost the request that long
-            with self._lock:
-                self._reads.append((n, time.perf_counter() - started))
-        for slot, page in zip(job.slots[:result.pages], job.hashes):
-            self.pages[slot] = (page, job.tenant)
-        self.in_l3.update(job.hashes[:result.pages])
-        if result.late:
-            held = job.slots[result.pages:n]
-            remaining = [len(result.late)]
-
-            def returned() -> None:
-                with self._lock:
-                    remaining[0] -= 1
-                    if not remaining[0]:
-                        self._released.update(held)
-            with self._lock:
-                self._held.update(held)
-            for call in result.late:
-                call.when_returned(returned)
-        self._count(l3_read_pages=result.pages)
-        return result.pages
+        return self.acks.take(self.jobs.evicted)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -492,35 +333,21 @@ class WorkerSide:
             return
         self._closed = True
         deadline = time.monotonic() + self.settings.flush_timeout
-        write_back = self.store is not None and self.settings.write_policy == "write_back"
+        write_back = self.jobs.store is not None and self.settings.write_policy == "write_back"
         self._step = math.inf       # no later plan comes: every copy may land now
         if write_back:              # the landed pages first: a save that never lands must not starve them
-            self._write_back_all()
+            self.jobs.write_back({slot for c in self._landing for slot in c.saved})
         self._drain(self.settings.flush_timeout)
         unlanded = sum(len(c.saved) for c in self._landing)
         if unlanded:
             log.warning("hicache shutdown: saves not landed after flush_timeout; their pages are not in L3",
                         pages=unlanded, flush_timeout=self.settings.flush_timeout)
         if write_back:              # and those that landed meanwhile
-            self._write_back_all()
-        shutdown.flush(self._running, max(0.0, deadline - time.monotonic()))
-        if self._running:       # cancelled, their threads abandoned: the process exits now
-            self._portal.call(self._portal.stop, True)
+            self.jobs.write_back({slot for c in self._landing for slot in c.saved})
+        self.jobs.flush(max(0.0, deadline - time.monotonic()))
         self._stack.close()
         self.copies.close()
         self.host.close()
-
-    def _write_back_all(self) -> None:
-        """The host tier's pages L3 lacks, one backup a tenant, before the flush waits; never a
-        slot whose save has not landed, nor one a backup already reads (so a second call adds
-        only what landed since)."""
-        unlanded = {slot for c in self._landing for slot in c.saved}
-        by_tenant: dict[bytes, list[tuple[str, int]]] = {}
-        for slot, (page, tenant) in self.pages.items():
-            if page not in self.in_l3 and not self._reading[slot] and slot not in unlanded:
-                by_tenant.setdefault(tenant, []).append((page, slot))
-        for tenant, pages in by_tenant.items():
-            self._background("backup", Job(next(_FLUSH_JOBS), [h for h, _ in pages], tenant, [s for _, s in pages]))
 
 
 def _flat(moves: list[Move]) -> tuple[list[int], list[int]]:

@@ -56,7 +56,8 @@ class Engine:
         self.workers = []
         for kv in self.kvs:
             w = WorkerSide(Settings(storage="none", host_pages=8, **settings), LAYOUT, RankCoords(), kv)
-            w.store = guarded_store(MemoryStorage(), "memory", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=5.0))
+            w.jobs.store = guarded_store(MemoryStorage(), "memory", LAYOUT, RankCoords(),
+                                         CacheConfig(storage_timeout_s=5.0))
             self.workers.append(w)
 
     def step(self, scheduled: dict[str, int], reqs: dict[str, Req]) -> StepPlan:
@@ -106,12 +107,12 @@ def test_a_failed_save_on_one_rank_is_freed_on_every_rank_never_announced_nor_ba
     assert not any(e.sched.slots.holding(h) for h in pages), "a failed save was taken as held"
     assert sorted(e.sched.slots.free) == list(range(8)), "the failed save's slots were not freed"
     assert not [ev for ev in e.sched.events.take() if type(ev).__name__ == "BlockStored"]
-    assert not e.workers[1].in_l3 and not e.workers[1].counts["l3_stored_pages"], \
+    assert not e.workers[1].jobs.in_l3 and not e.workers[1].acks.counts["l3_stored_pages"], \
         "the failing rank backed up a slot whose save failed"
-    assert not e.sched.stored_l3, "a page is taken as in L3 though one rank stored nothing"
+    assert not e.sched.l3_writes.stored, "a page is taken as in L3 though one rank stored nothing"
     assert not e.workers[1].pages.keys() & set(save.slots)
     assert [line["pages"] for line in logs if "dropped" in line["event"]] == [2]
-    assert e.workers[1].counts["failed_saves"] == 2 and e.workers[0].counts["failed_saves"] == 0
+    assert e.workers[1].acks.counts["failed_saves"] == 2 and e.workers[0].acks.counts["failed_saves"] == 0
     b = Req("b", list(range(9)))
     looked(e.sched, b)
     assert e.sched.matched(b, 0) == (0, False)
@@ -149,8 +150,8 @@ def test_write_back_shutdown_backs_up_no_page_whose_save_has_not_landed():
     w.finish(StepPlan(step=2, saves=[Move("r", [1, 2], [4, 5], hashes[1:], NO_TENANT)]))     # never lands
     with capture_logs() as logs:
         w.close()
-    assert w._prefetch(Job(1, hashes[1:2], NO_TENANT, slots=[6])) == 0, "an unlanded save was backed up"
-    assert w._prefetch(Job(2, hashes[:1], NO_TENANT, slots=[7])) == 1
+    assert w.jobs._prefetch(Job(1, hashes[1:2], NO_TENANT, slots=[6])) == 0, "an unlanded save was backed up"
+    assert w.jobs._prefetch(Job(2, hashes[:1], NO_TENANT, slots=[7])) == 1
     assert [line["pages"] for line in logs if "not landed" in line["event"]] == [2]
 
 
@@ -185,7 +186,7 @@ def test_a_refused_load_drops_the_saves_computed_over_it_in_its_step():
     assert e.workers[1].load_errors() == {load.blocks[1]} and not e.workers[0].load_errors()
     b_pages = e.sched.requests["b"].hashes
     assert not any(e.sched.slots.holding(h) for h in b_pages[2:]), "a save over a refused load was held"
-    assert not e.sched.stored_l3.keys() & set(b_pages[2:]), "a save over a refused load was backed up"
+    assert not e.sched.l3_writes.stored.keys() & set(b_pages[2:]), "a save over a refused load was backed up"
     assert not e.workers[1].pages.keys() & set(save.slots)
     assert e.sched.slots.holding(b_pages[0]) and save.table == BLOCKS[:4]
     e.close()
@@ -203,7 +204,7 @@ def test_a_failed_load_is_a_load_error_and_spoils_the_saves_over_it():
     assert e.workers[0].load_errors() == set(load.blocks)
     b_pages = e.sched.requests["b"].hashes
     assert not any(e.sched.slots.holding(h) for h in b_pages[2:]), "a save over a failed load was held"
-    assert not e.workers[0].in_l3 & set(b_pages[2:]), "a save over a failed load was backed up"
+    assert not e.workers[0].jobs.in_l3 & set(b_pages[2:]), "a save over a failed load was backed up"
     e.close()
 
 
@@ -213,8 +214,8 @@ def test_a_backup_stores_no_slot_that_no_longer_names_its_page():
     w = writer(kv_blocks())
     hashes = page_hashes(range(8), 4)
     w.pages.update({0: (hashes[0], NO_TENANT), 1: ("another page", NO_TENANT)})
-    assert w._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 1
-    assert w.counts["l3_stored_pages"] == 1 and w._prefetch(Job(1, hashes, NO_TENANT, slots=[5, 6])) == 1
+    assert w.jobs._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 1
+    assert w.acks.counts["l3_stored_pages"] == 1 and w.jobs._prefetch(Job(1, hashes, NO_TENANT, slots=[5, 6])) == 1
     w.close()
 
 
@@ -230,8 +231,8 @@ def test_shutdown_under_write_through_drains_the_last_saves_and_their_backups():
                       backups=[Job(7, hashes, NO_TENANT, slots=[0, 1], after_save=True)]))
     threading.Timer(0.3, events[0].set).start()
     w.close()
-    assert w.counts["l3_stored_pages"] == 2, "the last saves' backups were lost at shutdown"
-    assert w._prefetch(Job(8, hashes, NO_TENANT, slots=[5, 6])) == 2
+    assert w.acks.counts["l3_stored_pages"] == 2, "the last saves' backups were lost at shutdown"
+    assert w.jobs._prefetch(Job(8, hashes, NO_TENANT, slots=[5, 6])) == 2
     assert torch.equal(w.host.tensor[5, 0], kv[0][3]) and torch.equal(w.host.tensor[6, 1], kv[1][4])
 
     stuck = writer(kv_blocks(), write_policy="write_through", flush_timeout=0.3)

@@ -55,13 +55,13 @@ def test_a_page_the_file_store_evicts_is_withdrawn_from_storage_and_forgotten(tm
     kv = [torch.randn(8, 2, PAGE, 16).to(torch.bfloat16) for _ in range(2)]
     w = WorkerSide(Settings(storage="none", host_pages=8), LAYOUT, RankCoords(), kv)
     files = FileStorage(str(tmp_path))
-    w.store = guarded_store(files, "file", LAYOUT, RankCoords(), CacheConfig())
+    w.jobs.store = guarded_store(files, "file", LAYOUT, RankCoords(), CacheConfig())
     s = SchedulerSide(Settings(storage="none", host_pages=8, l3_reads="always"), PAGE, 1)
     s.l3 = True
     a, b = _request("a", 100), _request("b", 200)
     _served(s, w, a, [0, 1, 2])
     ours = s.requests["a"].hashes
-    assert list(s.stored_l3) == ours
+    assert list(s.l3_writes.stored) == ours
     objects = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
     for age, path in enumerate(objects):                  # a's first page the oldest write, by its path
         first = os.path.basename(path).startswith(ours[0])
@@ -71,6 +71,6 @@ def test_a_page_the_file_store_evicts_is_withdrawn_from_storage_and_forgotten(tm
     events = _served(s, w, b, [3, 4, 5])
     gone = [e for e in events if isinstance(e, BlockRemoved)]
     assert [(e.medium, e.block_hashes) for e in gone] == [("STORAGE", [maybe_convert_block_hash(a.block_hashes[0])])]
-    assert list(s.stored_l3) == [ours[1], *s.requests["b"].hashes]
-    assert ours[0] not in w.in_l3 and w.reports() is None       # said once
+    assert list(s.l3_writes.stored) == [ours[1], *s.requests["b"].hashes]
+    assert ours[0] not in w.jobs.in_l3 and w.reports() is None       # said once
     w.close()

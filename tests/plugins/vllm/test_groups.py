@@ -106,16 +106,16 @@ def test_no_groups_object_is_read_by_another_group():
         layout = worker_layout(caches, num_blocks=8, block_size=PAGE, coords=RankCoords(), total_layers=4,
                                total_kv_heads=2, mla=False, model_id="m", engine="e", group=group)
         w = WorkerSide(Settings(storage="none", host_pages=4), layout, RankCoords(), list(caches.values()))
-        w.store = guarded_store(shared, "shared", layout, RankCoords(), CacheConfig(storage_timeout_s=10.0))
+        w.jobs.store = guarded_store(shared, "shared", layout, RankCoords(), CacheConfig(storage_timeout_s=10.0))
         sides.append(w)
     full, sliding = sides
     assert full.layout.namespace() != sliding.layout.namespace()
     hashes = page_hashes(range(8), PAGE)
     full.host.tensor[:2] = torch.randn(2, *full.host.tensor.shape[1:]).to(torch.bfloat16)
     full.pages.update({slot: (h, NO_TENANT) for slot, h in enumerate(hashes)})
-    assert full._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 2
-    assert sliding._prefetch(Job(1, hashes, NO_TENANT, slots=[2, 3])) == 0
-    assert full._prefetch(Job(2, hashes, NO_TENANT, slots=[2, 3])) == 2
+    assert full.jobs._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 2
+    assert sliding.jobs._prefetch(Job(1, hashes, NO_TENANT, slots=[2, 3])) == 0
+    assert full.jobs._prefetch(Job(2, hashes, NO_TENANT, slots=[2, 3])) == 2
     for w in sides:
         w.close()
 
@@ -239,18 +239,18 @@ def test_no_state_object_is_read_as_attention_kv_or_as_a_state_of_another_shape(
                                coords=RankCoords(), total_layers=4, total_kv_heads=2, mla=False, model_id="m",
                                engine="e", group=group)
         w = WorkerSide(Settings(storage="none", host_pages=4), layout, RankCoords(), list(caches.values()))
-        w.store = guarded_store(shared, "shared", layout, RankCoords(), CacheConfig(storage_timeout_s=10.0))
+        w.jobs.store = guarded_store(shared, "shared", layout, RankCoords(), CacheConfig(storage_timeout_s=10.0))
         sides.append(w)
     full, state, mamba = sides
     assert len({w.layout.namespace() for w in sides}) == 3
     hashes = page_hashes(range(8), PAGE)
     for w in (full, state):
         w.pages.update({slot: (h, NO_TENANT) for slot, h in enumerate(hashes)})
-    assert full._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 2
-    assert state._prefetch(Job(1, hashes, NO_TENANT, slots=[2, 3])) == 0
-    assert state._backup(Job(2, hashes, NO_TENANT, slots=[0, 1])) == 2
-    assert mamba._prefetch(Job(3, hashes, NO_TENANT, slots=[2, 3])) == 0
-    assert state._prefetch(Job(4, hashes, NO_TENANT, slots=[2, 3])) == 2
+    assert full.jobs._backup(Job(0, hashes, NO_TENANT, slots=[0, 1])) == 2
+    assert state.jobs._prefetch(Job(1, hashes, NO_TENANT, slots=[2, 3])) == 0
+    assert state.jobs._backup(Job(2, hashes, NO_TENANT, slots=[0, 1])) == 2
+    assert mamba.jobs._prefetch(Job(3, hashes, NO_TENANT, slots=[2, 3])) == 0
+    assert state.jobs._prefetch(Job(4, hashes, NO_TENANT, slots=[2, 3])) == 2
     for w in sides:
         w.close()
 

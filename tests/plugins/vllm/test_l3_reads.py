@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 from hicache_vllm.groups import GroupedScheduler
-from hicache_vllm.scheduler import PROBE_EVERY, SchedulerSide
+from hicache_vllm.l3_reads import PROBE_EVERY
+from hicache_vllm.scheduler import SchedulerSide
 from hicache_vllm.settings import Settings
 from hicache_vllm.worker import WorkerSide
 
@@ -39,7 +40,7 @@ class Engine:
                                LAYOUT.page_size, 1, page_bytes=LAYOUT.page_bytes)
         kv = [torch.randn(len(BLOCKS) + 1, 2, 4, 16).to(torch.bfloat16) for _ in range(2)]
         self.w = WorkerSide(Settings(storage="none", host_pages=4 * PAGES), LAYOUT, RankCoords(), kv)
-        self.w.store = guarded_store(store, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=10.0))
+        self.w.jobs.store = guarded_store(store, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=10.0))
 
     def step(self, scheduled: dict[str, int]) -> None:
         plan = self.s.build(scheduled, lambda rid: BLOCKS)
@@ -114,11 +115,11 @@ def test_the_estimate_follows_a_store_that_slows_down_then_speeds_up_mid_run(sto
     todo = written(store, 3 + 6 + PROBE_EVERY + 3, salt=2)
     engine = reader(store)
     assert [engine.serve(p) for p in todo[:3]] == [PAGES * 4] * 3
-    fast_latency = engine.s.cost.latency_s
+    fast_latency = engine.s.l3_reads.cost.latency_s
     store.read_s = SLOW_S
     slowed = [engine.serve(p) for p in todo[3:9]]
     assert slowed[0] == PAGES * 4 and slowed[-1] == 0       # a read or two taught it; then computed
-    assert engine.s.cost.latency_s > 10 * fast_latency
+    assert engine.s.l3_reads.cost.latency_s > 10 * fast_latency
     store.read_s = 0.0
     rest = [engine.serve(p) for p in todo[9:]]
     assert PAGES * 4 in rest[:PROBE_EVERY]                  # a probe reads the store again...

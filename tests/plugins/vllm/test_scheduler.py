@@ -105,7 +105,7 @@ def test_a_page_l3_holds_leaves_under_write_back_without_a_backup():
     a, b = Req("a", list(range(9))), Req("b", list(range(50, 59)))
     looked(s, a, b)
     landed(s, computed(s, a, 9))
-    s.stored_l3.update(dict.fromkeys(s.requests["a"].hashes))         # a prefetch or a backup put them there
+    s.l3_writes.stored.update(dict.fromkeys(s.requests["a"].hashes))         # a prefetch or a backup put them there
     plan = computed(s, b, 9)
     assert not plan.backups and len(plan.saves[0].slots) == 2
 

@@ -96,13 +96,13 @@ def test_under_write_back_close_writes_the_host_tiers_pages_l3_lacks():
     w = writer(kv, write_policy="write_back")
     hashes = page_hashes(range(12), 4)
     w.finish(StepPlan(step=1, saves=[Move("r", [0, 1, 2], [3, 4, 5], hashes, NO_TENANT)]))
-    w.in_l3.add(hashes[0])                                # stored before: not written again
+    w.jobs.in_l3.add(hashes[0])                                # stored before: not written again
     with capture_logs() as logs:
         w.close()
     assert not [line for line in logs if line["log_level"] == "warning"]
-    assert w._prefetch(Job(1, hashes[1:], NO_TENANT, slots=[6, 7])) == 2
+    assert w.jobs._prefetch(Job(1, hashes[1:], NO_TENANT, slots=[6, 7])) == 2
     assert torch.equal(w.host.tensor[6, 0], kv[0][4]) and torch.equal(w.host.tensor[7, 1], kv[1][5])
-    assert w._prefetch(Job(2, hashes[:1], NO_TENANT, slots=[6])) == 0
+    assert w.jobs._prefetch(Job(2, hashes[:1], NO_TENANT, slots=[6])) == 0
 
 
 def test_under_write_through_close_leaves_the_host_tier_alone():

@@ -164,8 +164,8 @@ class SteppedPortal:
             w._finished[job.job] = pages
             return pages
         kind, job = args
-        pages = w._run(kind, job)
-        w._ended(kind, job, pages)
+        pages = w.jobs._run(kind, job)
+        w.jobs._ended(kind, job, pages)
         return pages
 
 
@@ -273,12 +273,12 @@ class Interleavings(RuleBasedStateMachine):
             kv = [torch.zeros(BLOCKS, HEADS, PAGE, DIM, device=DEVICE) for _ in range(LAYERS)]
             self.kvs.append(kv)
             w = WorkerSide(dataclasses.replace(cfg, storage="none"), layout, coords, kv)
-            w.store = guarded_store(self.l3, "scripted", layout, coords, CacheConfig(storage_timeout_s=5.0))
+            w.jobs.store = guarded_store(self.l3, "scripted", layout, coords, CacheConfig(storage_timeout_s=5.0))
             w.settings = cfg
             w.copies = ScriptedSaves(w.copies, held=landing == "held", settled=simulated)
-            w._portal = SteppedPortal(w)
+            w.jobs._portal = SteppedPortal(w)
             self.workers.append(w)
-            self.portals.append(w._portal)
+            self.portals.append(w.jobs._portal)
             self.saves.append(w.copies)
         self.reqs: dict[str, dict] = {}
         self.waiting: list[str] = []
@@ -475,7 +475,7 @@ class Interleavings(RuleBasedStateMachine):
         self.sched.slots.check()
         assert not self.lookups.seen, f"a lookup ended in an error: {self.lookups.seen[0]}"
         for w in self.workers:
-            assert w.counts.get("slot_violations", 0) == 0
+            assert w.acks.counts.get("slot_violations", 0) == 0
 
     # -- the reference -----------------------------------------------------------------------
 
@@ -534,7 +534,7 @@ class Interleavings(RuleBasedStateMachine):
         w = self.workers[i]
         scratch = HostPool(w.layout, pages)
         fail, self.l3.fail = self.l3.fail, set()
-        got = w.store.prefetch(job.hashes[:pages], scratch, list(range(pages)), tenant=job.tenant).pages
+        got = w.jobs.store.prefetch(job.hashes[:pages], scratch, list(range(pages)), tenant=job.tenant).pages
         self.l3.fail = fail
         assert got == pages, f"worker {i}: {pages - got} stored objects do not read back"
         for slot, h in enumerate(job.hashes[:pages]):

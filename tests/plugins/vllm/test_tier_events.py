@@ -141,6 +141,6 @@ def test_an_eviction_a_worker_reports_withdraws_the_page_from_storage_after_its_
     assert [(type(e).__name__, e.medium, e.block_hashes) for e in out] == [
         ("BlockStored", "STORAGE", [vllm_hash(req, 0)]), ("BlockStored", "STORAGE", [vllm_hash(req, 1)]),
         ("BlockRemoved", "STORAGE", [vllm_hash(req, 0)])]
-    assert list(s.stored_l3) == [h1]
+    assert list(s.l3_writes.stored) == [h1]
     s.reported(JobReports(evicted={h0}))
-    assert s.events.take() == [] and list(s.stored_l3) == [h1]      # withdrawn once
+    assert s.events.take() == [] and list(s.l3_writes.stored) == [h1]      # withdrawn once

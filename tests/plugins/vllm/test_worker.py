@@ -34,7 +34,7 @@ def writer(kv: list, write_s: float = 0.0, **settings) -> WorkerSide:
     """A worker whose L3 (`w.l3`) writes each take `write_s`."""
     w = WorkerSide(Settings(**{"storage": "none", "host_pages": 8, **settings}), LAYOUT, RankCoords(), kv)
     w.l3 = SlowWrites(slow_write_s=write_s)
-    w.store = guarded_store(w.l3, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=10.0))
+    w.jobs.store = guarded_store(w.l3, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=10.0))
     return w
 
 
@@ -54,7 +54,7 @@ def worker(read_s: float, timeout_s: float) -> tuple[WorkerSide, SlowZeroCopy]:
     kv = [torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
     w = WorkerSide(Settings(storage="none", host_pages=8), LAYOUT, RankCoords(), kv)
     slow = SlowZeroCopy(slow_read_s=read_s)
-    w.store = guarded_store(slow, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=timeout_s))
+    w.jobs.store = guarded_store(slow, "slow", LAYOUT, RankCoords(), CacheConfig(storage_timeout_s=timeout_s))
     return w, slow
 
 
@@ -63,7 +63,7 @@ def stored(w: WorkerSide) -> list[str]:
     hashes = page_hashes(range(16), 4)
     w.host.tensor[:4] = torch.randn(4, *w.host.tensor.shape[1:]).to(torch.bfloat16)
     w.pages.update({slot: (h, NO_TENANT) for slot, h in enumerate(hashes)})
-    assert w._backup(Job(0, hashes, NO_TENANT, slots=[0, 1, 2, 3])) == 4
+    assert w.jobs._backup(Job(0, hashes, NO_TENANT, slots=[0, 1, 2, 3])) == 4
     return hashes
 
 
@@ -71,7 +71,7 @@ def test_a_prefetch_reads_verified_pages_straight_into_its_slots():
     w, _ = worker(read_s=0.0, timeout_s=5.0)
     hashes = stored(w)
     expected = w.host.tensor[:4].clone()
-    assert w._prefetch(Job(1, hashes, NO_TENANT, slots=[7, 6, 5, 4])) == 4
+    assert w.jobs._prefetch(Job(1, hashes, NO_TENANT, slots=[7, 6, 5, 4])) == 4
     assert torch.equal(w.host.tensor[[7, 6, 5, 4]], expected)
     first = w.reports()                             # a CPU worker's copies land within its step: said once
     assert first.synchronous == 1 and not first.held and not first.done and not first.copied
@@ -81,7 +81,7 @@ def test_a_prefetch_reads_verified_pages_straight_into_its_slots():
 def test_a_read_given_up_on_reports_its_slots_held_until_it_returns():
     w, slow = worker(read_s=1.0, timeout_s=0.2)
     hashes = stored(w)
-    assert w._prefetch(Job(1, hashes, NO_TENANT, slots=[4, 5, 6, 7])) == 0   # a miss: past its deadline
+    assert w.jobs._prefetch(Job(1, hashes, NO_TENANT, slots=[4, 5, 6, 7])) == 0   # a miss: past its deadline
     assert w.reports().held == Counter({4: 1, 5: 1, 6: 1, 7: 1})
     deadline = time.monotonic() + 10
     while slow.late_reads == 0 and time.monotonic() < deadline:
@@ -105,12 +105,12 @@ def test_a_save_into_a_slot_a_backup_reads_is_dropped_and_counted():
     w.finish(StepPlan(step=1, backups=[Job(0, hashes, NO_TENANT, slots=[4, 5, 6, 7, 0]),
                                        Job(1, hashes[4:], NO_TENANT, slots=[0])]))
     w.finish(StepPlan(step=2, saves=[Move("r", [0, 1], [3, 4], ["new", "other"])]))
-    assert w.counts["slot_violations"] == 1
+    assert w.acks.counts["slot_violations"] == 1
     assert torch.equal(w.host.tensor[0], before[0]) and torch.equal(w.host.tensor[1, 0], kv[0][4])
     w.close()                                                     # every backup done
-    assert w._prefetch(Job(2, hashes[:5], NO_TENANT, slots=[1, 2, 3, 4, 5])) == 5
+    assert w.jobs._prefetch(Job(2, hashes[:5], NO_TENANT, slots=[1, 2, 3, 4, 5])) == 5
     assert torch.equal(w.host.tensor[[1, 2, 3, 4, 5]], before[[4, 5, 6, 7, 0]])
-    assert w._prefetch(Job(3, hashes[4:], NO_TENANT, slots=[6])) == 1      # the second backup of slot 0
+    assert w.jobs._prefetch(Job(3, hashes[4:], NO_TENANT, slots=[6])) == 1      # the second backup of slot 0
     assert torch.equal(w.host.tensor[6], before[0])
 
 
@@ -122,7 +122,7 @@ def test_a_load_from_a_slot_that_holds_another_page_is_a_load_error():
     kv[0][0:2], kv[1][0:2] = zeros, zeros
     w.start(StepPlan(step=2, loads=[Move("s", [2, 3], [0, 1], ["p", "not q"])]))
     w.finish(StepPlan(step=2))
-    assert w.load_errors() == {1} and w.counts["slot_violations"] == 1
+    assert w.load_errors() == {1} and w.acks.counts["slot_violations"] == 1
     assert torch.equal(kv[0][0], kv[0][5]) and torch.equal(kv[1][0], kv[1][5])   # p: loaded
     assert torch.equal(kv[0][1], zeros) and torch.equal(kv[1][1], zeros)         # not another page's bytes
     w.close()
@@ -173,7 +173,7 @@ def test_a_backup_of_a_plans_saves_starts_only_once_they_landed_and_stores_their
         done = report.done if report is not None else {}
         time.sleep(0.02)
     assert done == {7: (1, 2)}
-    assert w._prefetch(Job(8, hashes, NO_TENANT, slots=[5, 6])) == 2
+    assert w.jobs._prefetch(Job(8, hashes, NO_TENANT, slots=[5, 6])) == 2
     assert torch.equal(w.host.tensor[5, 0], kv[0][3]) and torch.equal(w.host.tensor[6, 1], kv[1][4])
     w.close()
 
@@ -194,7 +194,7 @@ def test_a_preempted_requests_saves_are_fenced_at_once_and_land_later():
     assert time.monotonic() - started < 0.15 and len(fences) == 1 and w._saving["r"]
     events[0].set()
     w.preempted(StepPlan(step=3, preempted=["r"]))                  # landed: nothing to fence
-    assert len(fences) == 1 and not w._saving["r"] and w.counts["fenced_preemptions"] == 1
+    assert len(fences) == 1 and not w._saving["r"] and w.acks.counts["fenced_preemptions"] == 1
     w.close()
 
 
@@ -220,7 +220,7 @@ def test_a_backup_with_no_store_leaves_its_slot_writable():
                       backups=[Job(0, ["p"], NO_TENANT, slots=[0], after_save=True)]))
     assert w.reports().done == {0: (1, 0)}
     w.finish(StepPlan(step=2, saves=[Move("s", [0], [4], ["q"], NO_TENANT)]))
-    assert w.counts["slot_violations"] == 0 and torch.equal(w.host.tensor[0, 0], kv[0][4])
+    assert w.acks.counts["slot_violations"] == 0 and torch.equal(w.host.tensor[0, 0], kv[0][4])
     w.close()
 
 
@@ -278,7 +278,7 @@ def test_simulated_device_copies_cpu_kv_on_the_devices_streams_landing_on_events
     """`simulated_device`: the GPU's copy path over CPU KV, so the worker reports landings late."""
     kv = kv_blocks()
     w = WorkerSide(Settings(storage="none", host_pages=8, simulated_device=5), LAYOUT, RankCoords(), kv)
-    assert w.copies.streamed and not w._synchronous
+    assert w.copies.streamed and not w.acks.synchronous
     saved = w.copies.save([2], [6])
     deadline = time.monotonic() + 10
     while not saved.query() and time.monotonic() < deadline:

@@ -43,7 +43,7 @@ from hicache_async.sim.ranks.launcher import die_with_parent
 
 from . import launch, require_vllm
 from .engine import THREADS_BIND, pinned_threads
-from ..scheduler import TIERS
+from ..first_tokens import TIERS
 
 LLAMA = {"layers": 8, "hidden": 256, "heads": 4, "intermediate": 512, "vocab": 2048}   # 8 KiB of bf16 KV a token
 BLOCK, DEVICE_KV = 32, 24 << 20                         # 96 blocks: 3,072 tokens
