@@ -7,7 +7,10 @@ Without `--model` it writes a small Llama with seeded random weights and runs th
 The same long prompt three ways: once computed, once after `reset_prefix_cache()` (vLLM's own
 cache is empty: the prefix comes from our host tier), and once in a second engine process over
 the same L3 directory. Each prints where its prefix came from; the greedy tokens must match.
-Each engine runs in a fresh Python process of its own, as a server restart would.
+Each engine runs in a fresh Python process of its own, as a server restart would; vLLM's
+scheduler and its worker share that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where `vllm
+serve` gives each a process of its own. The connector works either way; a process each would
+import vLLM twice more an engine.
 """
 import argparse
 import json
@@ -90,6 +93,7 @@ def main() -> None:
     p.add_argument("--serve", help=argparse.SUPPRESS)     # one engine's arguments, as JSON: see in_new_process
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")       # a local folder: nothing to fetch
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # one process an engine (see above)
     if args.serve:
         print(RESULT + json.dumps(serve(*json.loads(args.serve))), flush=True)
         return

@@ -44,7 +44,7 @@ class Server:
             with contextlib.suppress(OSError):
                 if urllib.request.urlopen(f"{self.url}/health", timeout=5).status == 200:
                     return self
-            time.sleep(1)
+            time.sleep(0.25)
         raise AssertionError(f"vLLM server not ready in {timeout:.0f} s:\n{self.tail()}")
 
     @property

@@ -3,8 +3,10 @@ own, sent four at a time (so four requests save in one step) into a 12-page host
 file L3, twice in one engine, then read back one at a time by a new process (the session's
 float32 reader over the shared L3, each policy's prompts under a salt of its own), under every
 write policy, the writer also under async scheduling (vLLM's GPU default: the scheduler a step
-ahead of the worker). Each output is compared with vLLM's own run of the same request (no connector, float32,
-threads pinned alike by `hicache_vllm.bench.engine`): the reads, one at a time, exactly. In the writer the
+ahead of the worker). Each output is compared with vLLM's own run of the same request (float32,
+threads pinned alike by `hicache_vllm.bench.engine`; in the reader, under cache salts nothing in
+our tiers matches, so nothing is served and vLLM computes it as without us): the reads, one at a
+time, exactly. In the writer the
 connector's L3 lookups park requests for a step, so its batches differ from vLLM's own run of
 the same four prompts, and batch shape alone moves float32 logprobs by about 1e-5 (measured:
 the same prompts alone and four at a time, no connector); there the tokens must be equal and
@@ -13,6 +15,7 @@ the logprobs within 1e-3 (a wrong page of KV changes the tokens: 7 or 8 of 8 in 
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 
@@ -33,11 +36,15 @@ def crowd() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def own(llama, crowd) -> tuple[list[dict], list[dict]]:
-    """vLLM's own runs, no connector: the prompts four at a time, and each alone (its prefix
-    cache reset before each)."""
-    out = run_engine(llama, [gen_many(crowd[:4]), gen_many(crowd[4:])] + [s for p in crowd for s in (RESET, gen(p))],
-                     **SPEC)
+def own(engines, llama, crowd, l3) -> tuple[list[dict], list[dict]]:
+    """vLLM's own runs: the prompts four at a time, and each alone (its prefix cache reset
+    before each), in the session's float32 reader under fresh cache salts (nothing in our
+    tiers matches them, so vLLM computes each as it would without us)."""
+    salt = uuid.uuid4().hex
+    steps = [gen_many(crowd[:4], salt + "a"), gen_many(crowd[4:], salt + "b")]
+    steps += [s for n, p in enumerate(crowd) for s in (RESET, gen(p, f"{salt}{n}"))]
+    out = engines.run(llama, steps, {**l3.extra, "host_pages": HOST_PAGES}, process="reader", **SPEC)
+    assert [sum(tiers(o)) + o["cached"] for o in out] == [0] * 16
     return out[:8], out[8:]
 
 

@@ -3,9 +3,11 @@ batch past its bound kills its engine and fails in one error, and the next batch
 settings gets a new process; an engine serves only the environment it started with."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from hicache_vllm.bench.engine import EngineFailed
+from hicache_vllm.bench.engine import EngineFailed, _environment
 
 from . import engines
 from .engines import RESET, EnginePool, gen, same_output
@@ -30,16 +32,33 @@ def test_one_process_runs_many_batches_and_one_past_its_bound_is_replaced(llama,
         pool.close()
 
 
+class _Unstarted:
+    """An engine as the pool sees it, with no process behind it: the environment it would have
+    started with (the pool's keying, not vLLM, is what this file's second test is about)."""
+
+    def __init__(self, settings: dict, env: dict | None, start_timeout_s: float) -> None:
+        self.environment, self.alive = _environment(settings, env), True
+
+    def run(self, steps: list[dict], timeout_s: float) -> list[dict]:
+        return []
+
+    def kill(self) -> None:
+        self.alive = False
+
+
 def test_an_engine_serves_only_the_environment_it_started_with(llama, monkeypatch):
     """A variable a test sets reaches an engine started under it, not one another test started;
     what pytest rewrites around each test keys nothing (every test would start its own)."""
+    monkeypatch.setattr(engines, "Engine", _Unstarted)
     pool = EnginePool()
     try:
         pool.run(llama, [], process="environment")
-        monkeypatch.setenv("OTEL_SERVICE_NAME", "pooled-engine-test")
-        pool.run(llama, [], process="environment")
+        with monkeypatch.context() as m:
+            m.setenv("OTEL_SERVICE_NAME", "pooled-engine-test")
+            pool.run(llama, [], process="environment")
         assert pool.starts == 2
-        monkeypatch.undo()
+        started = [e.environment.get("OTEL_SERVICE_NAME") for e in pool._engines.values()]
+        assert started == [os.environ.get("OTEL_SERVICE_NAME"), "pooled-engine-test"]
         monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
         pool.run(llama, [], process="environment")
         assert pool.starts == 2

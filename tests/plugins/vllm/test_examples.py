@@ -24,7 +24,7 @@ EXPECT = {      # what each example prints when it did its job
     "vllm_connector.py": [r'host tier: +[1-9]\d* cached tokens .*"host_tokens": [1-9]',
                           r'L3, new process: +[1-9]\d* cached tokens .*"l3_tokens": [1-9]', "greedy outputs identical"],
 }
-TIMEOUT_S = {"vllm_connector.py": 600}     # two vLLM engines on two busy cores: about 2 minutes
+TIMEOUT_S = {"vllm_connector.py": 600}     # two vLLM engines on two busy cores: about a minute
 
 
 def command(example: str) -> str:

@@ -1,11 +1,14 @@
 """In real vLLM, KV never crosses what decides it: LoRA adapters (host tier and L3 across
 processes), prompt embeddings, new weights saved over the model folder, and dummy weights
 loaded over the real one. Each output is
-compared with the same request run without the connector."""
+compared with the same request run without the connector, or under a cache salt nothing in our
+tiers matches (LoRA and prompt embeddings, in the pooled LoRA reader; the new weights, in their
+own engine): vLLM computes it alone, as without us."""
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 
 import pytest
 
@@ -44,11 +47,15 @@ def adapters(llama, tmp_path_factory) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def cold_lora(llama, prompts, adapters) -> dict[str, dict]:
-    """Q under each adapter and under none, and two prompt embeddings, without the connector."""
+def cold_lora(engines, llama, prompts, adapters, l3) -> dict[str, dict]:
+    """Q under each adapter, and two prompt embeddings, as vLLM computes them alone: in the
+    pooled LoRA reader, under a fresh cache salt each (nothing in our tiers matches it)."""
     q = prompts["q"]
-    out = run_engine(llama, [gen(q) | {"lora": adapters["a"]}, RESET, gen(q) | {"lora": adapters["b"]}, RESET,
-                             embeds(1), RESET, embeds(2)], **LORA)
+    a, b, e1, e2 = (uuid.uuid4().hex for _ in range(4))
+    out = _lora_engine(engines, llama, l3, [gen(q, a) | {"lora": adapters["a"]}, RESET,
+                                            gen(q, b) | {"lora": adapters["b"]}, RESET, embeds(1, e1), RESET,
+                                            embeds(2, e2)], "reader")
+    assert [o["cached"] for o in out] == [0] * 4
     return dict(zip(["a", "b", "e1", "e2"], out))
 
 
@@ -96,10 +103,11 @@ def test_new_weights_in_the_same_folder_miss_l3(prompts, tmp_path):
     (old,) = run_engine(model, [gen(prompts["p"])], extra)
     shutil.rmtree(model)
     write_llama(model, seed=7, **shape)
-    (new,) = run_engine(model, [gen(prompts["p"])], extra)
-    (reference,) = run_engine(model, [gen(prompts["p"])])
+    # then P under a fresh cache salt, which nothing in our tiers matches: vLLM's own output of the
+    # new weights, without an engine of its own
+    new, reference = run_engine(model, [gen(prompts["p"]), RESET, gen(prompts["p"], uuid.uuid4().hex)], extra)
     assert old["params"]["hicache"]["model"] != new["params"]["hicache"]["model"]
-    assert new["cached"] == 0 and same_output(new, reference)
+    assert new["cached"] == 0 and same_output(new, reference) and reference["cached"] == 0
     assert old["tokens"] != new["tokens"]
 
 

@@ -4,6 +4,7 @@ SIGTERM lets the workers flush the backups still under way before the server exi
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shlex
@@ -17,6 +18,15 @@ from .servers import Server, metric, serving
 
 README = Path(__file__).parents[3] / "README.md"
 SHARED = 7 * 32     # the second prompt shares the first seven 32-token pages
+
+
+def cache_home(tmp_path: Path) -> dict:
+    """A cache home of the test's own, where the README's L3 lands; vLLM's own cache stays the
+    session's (under a fresh one vLLM inspects the model class again, in a process of its own:
+    about ten seconds of vLLM's imports a server)."""
+    vllm_cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    return {"XDG_CACHE_HOME": str(tmp_path), "VLLM_CACHE_ROOT": vllm_cache}
 
 
 def readme_serve_line() -> tuple[dict, list[str]]:
@@ -40,7 +50,7 @@ def test_the_readmes_serve_line_serves_a_shared_prefix_from_the_host_tier(llama,
     env, args = readme_serve_line()
     assert json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector"] == "HiCacheConnector"
     prompts = _prompts()
-    with serving(llama, args, tmp_path / "server.log", {**env, "XDG_CACHE_HOME": str(tmp_path)}) as server:
+    with serving(llama, args, tmp_path / "server.log", {**env, **cache_home(tmp_path)}) as server:
         for name in ("P", "F1", "F2", "F3", "F4"):      # four prompts push P out of vLLM's device cache
             server.complete(prompts[name])
         shared = server.complete(prompts["Q"])["kv_transfer_params"]["hicache"]
@@ -60,7 +70,7 @@ def test_sigterm_flushes_backups_still_under_way(llama, tmp_path):
     transfer = {**json.loads(args[args.index("--kv-transfer-config") + 1]), "kv_connector_extra_config": extra}
     args[args.index("--kv-transfer-config") + 1] = json.dumps(transfer)
     env = {**installed_backend_env(tmp_path, "slowfile", "tests.plugins.vllm.slow_file:SlowFileWrites"), **env,
-           "XDG_CACHE_HOME": str(tmp_path), "HICACHE_SLOW_WRITE_S": "3"}
+           **cache_home(tmp_path), "HICACHE_SLOW_WRITE_S": "3"}
     prompt = _prompts()["P"]
     store = tmp_path / "hicache-async" / "kv"
     server = Server(llama, args, tmp_path / "server.log", env)

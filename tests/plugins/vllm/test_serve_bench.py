@@ -1,5 +1,7 @@
 """`bench --only vllm-serve`, reduced: real vLLM OpenAI servers (CPU build) driven by vLLM's own
-`bench serve` client, few requests, three of the five runs."""
+`bench serve` client, few requests, two of the five runs: vLLM alone and our host tier. (The
+file-L3 goal row is made from the runs' figures: checked below from given ones. A server of a
+small host tier over a file L3 serving prefixes from it: `test_metrics_and_events.py`.)"""
 import os
 import statistics
 
@@ -11,7 +13,7 @@ from hicache_vllm.bench.serve_figures import (ENV, LLAMA, STATS, ServeFailed, Se
 
 pytest.importorskip("hicache_vllm")
 
-RUNS = ("vllm", "host", "small_host_file")
+RUNS = ("vllm", "host")
 
 
 def test_the_serving_bench_reports_each_run_beside_vllm_alone():
@@ -19,7 +21,7 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
     names = [f"vllm_serve_{run}_{stat}_s" for run in RUNS[1:] for stat in STATS]
     names += [f"vllm_serve_{run}_connector_hit_tokens" for run in RUNS[1:]]
     names += [f"vllm_serve_{run}_first_use_ttft_s" for run in RUNS[1:]]
-    assert sorted(figures) == sorted(names + ["vllm_serve_file_l3_vs_host_median_ttft_s"])
+    assert sorted(figures) == sorted(names)       # no file-L3 goal row without its run
     for name in names:
         fig = figures[name]
         assert fig["value"] >= 0 and fig["baseline_value"] >= 0 and "skipped" not in fig, fig
@@ -28,17 +30,11 @@ def test_the_serving_bench_reports_each_run_beside_vllm_alone():
         assert 0 < fig["baseline_value"] < 60 and 0 < fig["value"] < 60, fig
     # 12 requests over 6 prefixes: 6 repeat a prefix; vLLM's 96 device blocks keep about one
     # prompt, so the host tier serves most repeats (46 pages of 32 tokens each) and its median
-    # request is one of them. How many L3 serves varies from run to run (4,288-5,888 tokens seen).
-    hits = {run: figures[f"vllm_serve_{run}_connector_hit_tokens"]["value"] for run in RUNS[1:]}
-    assert hits["host"] >= 3 * 46 * 32 and hits["small_host_file"] > 0, hits
+    # request is one of them.
+    hits = figures["vllm_serve_host_connector_hit_tokens"]["value"]
+    assert hits >= 3 * 46 * 32, hits
     host = figures["vllm_serve_host_median_ttft_s"]
     assert host["value"] < host["baseline_value"], host
-    goal = figures["vllm_serve_file_l3_vs_host_median_ttft_s"]       # the two measured medians, as rows show them
-    assert (goal["value"], goal["baseline_value"]) == (figures["vllm_serve_small_host_file_median_ttft_s"]["value"],
-                                                       host["value"]), goal
-    # The ratio is of the unrounded medians, the rows show them to the millisecond.
-    assert goal["ratio"] == pytest.approx(goal["value"] / goal["baseline_value"], rel=0.03)
-    assert goal["goal_max_ratio"] == 1.3
     # 5 first uses a side: the ready check already sent the first prompt's prefix. Each runs the
     # whole prefill, so each is slower than the host tier's median request, a hit: a prompt
     # taken for a first use that was not one would be a hit there.
