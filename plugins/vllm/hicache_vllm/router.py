@@ -5,8 +5,12 @@ has heard from the servers' KV events.
 The overlap is the indexer's: `POST /query` answers, per instance, how many leading tokens of a
 prompt it holds in GPU, in GPU or CPU, and in any tier (the STORAGE medium our connector
 announces). The score is Dynamo's KV router's shape, thin: overlap credit in blocks (device 1.0,
-host 0.75, own L3 0.25, shared pool 0.5, each tier credited only beyond the better ones) minus
-`load_blocks` for each request the server has been sent, so the split is reproducible.
+host 0.75, own L3 0.25, shared pool 0.5; each tier credited only beyond the better ones; a
+server's own L3 entries count 0.5 when its L3 is the shared pool) minus the work the server has
+in flight: for each request sent to it and not yet answered, the blocks it was expected to
+compute there, plus `load_blocks`. A count of every request ever sent would
+balance the split but move a session off its server whenever the count drifts by a few, paying
+its prefix again; work in flight moves it only when its server is busier than the prefix is worth.
 
 The shared pool: every server's event stream is registered twice, under the server's own
 instance and under instance `POOL` (one per server as its `dp_rank`; the indexer files a
@@ -36,7 +40,7 @@ from hicache_async.errors import HiCacheError, UsageError
 
 POOL = 0                 # the pseudo-instance of the shared L3; servers are 1..N
 CREDIT = {"device": 1.0, "host": 0.75, "disk": 0.25, "shared": 0.5}
-LOAD_BLOCKS = 4.0        # blocks of overlap one request of load costs
+LOAD_BLOCKS = 4.0        # blocks of overlap one request in flight costs, beyond what it computes
 TIMEOUT_S = 600
 
 
@@ -58,14 +62,23 @@ def post(url: str, body: dict, timeout: float = 10) -> dict:
         return json.load(r)
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """A request sent to `server`, expected to compute `blocks` there; handed back when answered."""
+    server: int
+    blocks: float
+
+
 class Router:
-    """Scores the fleet's members for a prompt; `sent` counts what each was given."""
+    """Scores the fleet's members for a prompt; `sent` counts what each was given, `queued` the
+    blocks each has in flight."""
 
     def __init__(self, members: list[Member], indexer: str, model: str, block_size: int,
                  shared_pool: bool = True, load_blocks: float = LOAD_BLOCKS) -> None:
         self.members, self.indexer, self.model, self.block = members, indexer.rstrip("/"), model, block_size
         self.shared_pool, self.load_blocks = shared_pool, load_blocks
         self.sent = [0] * len(members)
+        self.queued = [0.0] * len(members)
         self.lock = threading.Lock()
 
     def register(self) -> None:
@@ -109,9 +122,17 @@ class Router:
         return {int(k): v for k, v in found.items()}
 
     def scores(self, tokens: list[int]) -> list[float | None]:
-        """Each member's credit minus its load; None for one that is down."""
+        """Each member's credit minus the work it has in flight; None for one that is down."""
+        return self._net(self.credits(tokens))
+
+    def _net(self, credits: list[float | None]) -> list[float | None]:
+        return [None if c is None else c - q for c, q in zip(credits, self.queued)]
+
+    def credits(self, tokens: list[int]) -> list[float | None]:
+        """Each member's overlap credit in blocks; None for one that is down."""
         found = self.overlap(tokens)
         pool = found.get(POOL, {}).get("disk", 0) if self.shared_pool else 0
+        own_l3 = CREDIT["shared"] if self.shared_pool else CREDIT["disk"]     # the pool is its L3 too
         out: list[float | None] = []
         for i, m in enumerate(self.members):
             if not m.up:
@@ -120,20 +141,29 @@ class Router:
             t = found.get(i + 1, {})
             gpu, cpu, disk = t.get("gpu", 0), t.get("cpu", 0), t.get("disk", 0)
             credit = (CREDIT["device"] * gpu + CREDIT["host"] * max(0, cpu - gpu)
-                      + CREDIT["disk"] * max(0, disk - max(gpu, cpu)) + CREDIT["shared"] * max(0, pool - disk))
-            out.append(credit / self.block - self.load_blocks * self.sent[i])
+                      + own_l3 * max(0, disk - max(gpu, cpu)) + CREDIT["shared"] * max(0, pool - disk))
+            out.append(credit / self.block)
         return out
 
-    def pick(self, tokens: list[int], exclude: frozenset[int] = frozenset()) -> int:
-        """The best-scored member that is up (ties: fewest sent, then first), counted as sent."""
-        scores = self.scores(tokens)
+    def route(self, tokens: list[int], exclude: frozenset[int] = frozenset()) -> Ticket:
+        """The best-scored member that is up (ties: fewest sent, then first), its work counted in
+        flight until `done`."""
+        credits = self.credits(tokens)
         with self.lock:
+            scores = self._net(credits)
             live = [i for i, s in enumerate(scores) if s is not None and i not in exclude]
             if not live:
                 raise RouteFailed("no server of the fleet is up")
             best = max(live, key=lambda i: (scores[i], -self.sent[i], -i))
+            ticket = Ticket(best, max(0.0, -(-len(tokens) // self.block) - credits[best]) + self.load_blocks)
             self.sent[best] += 1
-            return best
+            self.queued[best] += ticket.blocks
+            return ticket
+
+    def done(self, ticket: Ticket) -> None:
+        """The ticket's request was answered (or failed): its work leaves its server's queue."""
+        with self.lock:
+            self.queued[ticket.server] = max(0.0, self.queued[ticket.server] - ticket.blocks)
 
 
 def healthy(url: str) -> bool:
@@ -151,7 +181,7 @@ class _Front(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._reply(200 if any(m.up for m in self.router.members) else 503, b"")
         if self.path == "/stats":
-            return self._reply(200, json.dumps({"sent": self.router.sent,
+            return self._reply(200, json.dumps({"sent": self.router.sent, "queued": self.router.queued,
                                                 "up": [m.up for m in self.router.members]}).encode())
         m = next((m for m in self.router.members if m.up), None)
         self._forward(m.url if m else None, None)
@@ -164,13 +194,16 @@ class _Front(BaseHTTPRequestHandler):
         tried: set[int] = set()
         while True:
             try:
-                i = self.router.pick(self._tokens(request), frozenset(tried))
+                ticket = self.router.route(self._tokens(request), frozenset(tried))
             except RouteFailed as exc:
                 return self._reply(503, json.dumps({"error": str(exc)}).encode())
-            if self._forward(self.router.members[i].url, body):
-                return
-            tried.add(i)
-            self.router.down(i)
+            try:
+                if self._forward(self.router.members[ticket.server].url, body):
+                    return
+            finally:
+                self.router.done(ticket)
+            tried.add(ticket.server)
+            self.router.down(ticket.server)
 
     def _tokens(self, request: dict) -> list[int]:
         """The prompt's token ids: given, or the first live server's tokenization of its text."""
@@ -242,7 +275,7 @@ def add_route_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--load-blocks", type=float, default=LOAD_BLOCKS,
-                   help=f"overlap blocks one request of load costs (default {LOAD_BLOCKS})")
+                   help=f"overlap blocks one request in flight costs beyond its prefill (default {LOAD_BLOCKS})")
     p.add_argument("--no-shared-pool", action="store_true", help="the servers share no L3")
 
 

@@ -31,23 +31,32 @@ def _router(found: dict, n: int = 2) -> Router:
 
 def test_credit_is_by_tier_beyond_the_better_tiers_with_the_shared_pool_credited_to_all():
     # server 1: 2 blocks on device, 1 more in host; server 2: 3 blocks of its own L3; the pool: 5
-    router = _router({1: {"gpu": 8, "cpu": 12, "disk": 12}, 2: {"gpu": 0, "cpu": 0, "disk": 12},
-                      POOL: {"disk": 20}})
-    assert router.scores([]) == [2 * 1.0 + 0.75 + 2 * 0.5, 3 * 0.25 + 2 * 0.5]
-    assert router.pick([]) == 0 and router.sent == [1, 0]
+    found = {1: {"gpu": 8, "cpu": 12, "disk": 12}, 2: {"gpu": 0, "cpu": 0, "disk": 12}, POOL: {"disk": 20}}
+    router = _router(found)
+    # server 2's own L3 is the shared pool: its 3 blocks there count as the pool's, 0.5 each
+    assert router.scores([]) == [2 * 1.0 + 0.75 + 2 * 0.5, 3 * 0.5 + 2 * 0.5]
+    private = _router(found)
+    private.shared_pool = False
+    assert private.scores([]) == [2 * 1.0 + 0.75, 3 * 0.25]
+    assert router.route([]).server == 0 and router.sent == [1, 0]
 
 
-def test_load_is_the_requests_sent_so_far_so_the_split_is_reproducible():
+def test_load_is_the_work_in_flight_so_a_session_leaves_a_busy_server_and_comes_back_once_it_is_answered():
     router = _router({1: {"gpu": 40, "cpu": 40, "disk": 40}, POOL: {"disk": 40}})     # 10 blocks, 5 beyond 2's
-    picks = [router.pick([]) for _ in range(6)]
-    # server 1 leads by 10 - 5 = 5 blocks of credit: a request of load is 4, so it takes 2 in a row
-    assert picks == [0, 0, 1, 0, 1, 0] and router.sent == [4, 2]
+    prompt = [7] * 12 * BLOCK
+    tickets = [router.route(prompt) for _ in range(3)]
+    # server 1 computes 2 of the 12 blocks (+4 of load) and leads by 5: the second request finds
+    # it 6 blocks busy and goes to server 2 (7 + 4 in flight there), the third back to server 1
+    assert [t.server for t in tickets] == [0, 1, 0] and router.queued == [12, 11]
+    for t in tickets:
+        router.done(t)
+    assert router.queued == [0, 0] and router.route(prompt).server == 0 and router.sent == [3, 1]
 
 
 def test_a_server_that_is_down_is_never_picked():
     router = _router({1: {"gpu": 40, "cpu": 40, "disk": 40}})
     router.members[0].up = False
-    assert router.scores([])[0] is None and router.pick([]) == 1
+    assert router.scores([])[0] is None and router.route([]).server == 1
 
 
 def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outlives_a_server(tmp_path):
@@ -86,7 +95,7 @@ def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outl
             router.down(0)
             found = router.overlap(tokens)
             assert 1 not in found and found[POOL]["disk"] == 16     # L3 outlives the server
-            assert router.pick(tokens) == 1
+            assert router.route(tokens).server == 1
     finally:
         for p in publishers:
             p.shutdown()

@@ -167,16 +167,22 @@ def _start(arm: str, model: Path, root: Path, stack: contextlib.ExitStack, store
 
 
 def _play(arm: str, servers: list[FleetServer], turns, shape: Shape, root: Path, stack) -> dict:
-    urls, sent = [s.base for s in servers], [0] * len(servers)
+    urls, sent, on_answer = [s.base for s in servers], [0] * len(servers), None
     if arm == "routed":
-        router = _router(servers, root, stack)
-        pick = router.pick
+        router, tickets = _router(servers, root, stack), []
+
+        def pick(prompt: list[int]) -> int:
+            tickets.append(router.route(prompt))
+            return tickets[-1].server
+
+        def on_answer(i: int, answer) -> None:
+            router.done(tickets[i])
     else:
         def pick(prompt: list[int]) -> int:
             i = sum(sent) % len(servers)
             sent[i] += 1
             return i
-    answers, duration = play(turns, urls, MODEL_NAME, pick, shape)
+    answers, duration = play(turns, urls, MODEL_NAME, pick, shape, on_answer)
     return _result(arm, answers, duration, [s.tokens() for s in servers], len(servers))
 
 
