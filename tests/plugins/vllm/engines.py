@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_vllm.bench.engine import Engine, EngineFailed, _environment
+from hicache_vllm.bench.engine import Engine, EngineFailed, engine_environment
 from hicache_vllm.bench.engine import run_engine as _run
 from hicache_vllm.bench.engine import start_engine as _start
 
@@ -65,7 +65,7 @@ class EnginePool:
     def run(self, model: Path, steps: list[dict], extra: dict | None = None, *, env: dict | None = None,
             process: str = "", **spec) -> list[dict]:
         settings = _spec(model, extra, spec)
-        environment = {k: v for k, v in _environment(settings, env).items() if k not in self.PER_TEST}
+        environment = {k: v for k, v in engine_environment(settings, env).items() if k not in self.PER_TEST}
         digest = hashlib.sha256(json.dumps(environment, sort_keys=True).encode()).hexdigest()[:12]
         key = json.dumps({**settings, "env": env or {}, "environment": digest, "process": process}, sort_keys=True)
         engine = self._engine(key, settings, env)

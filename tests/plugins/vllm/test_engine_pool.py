@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hicache_vllm.bench.engine import EngineFailed, _environment
+from hicache_vllm.bench.engine import EngineFailed, engine_environment
 
 from . import engines
 from .engines import RESET, EnginePool, gen, same_output
@@ -37,7 +37,7 @@ class _Unstarted:
     started with (the pool's keying, not vLLM, is what this file's second test is about)."""
 
     def __init__(self, settings: dict, env: dict | None, start_timeout_s: float) -> None:
-        self.environment, self.alive = _environment(settings, env), True
+        self.environment, self.alive = engine_environment(settings, env), True
 
     def run(self, steps: list[dict], timeout_s: float) -> list[dict]:
         return []

@@ -137,7 +137,7 @@ def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT
     """The finished engine process, whatever its exit (killed past `timeout_s`)."""
     args = [sys.executable, "-m", __name__, json.dumps(spec)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = launch.popen(args, stdout=out, stderr=err, env=_environment(spec, env), text=True)
+        proc = launch.popen(args, stdout=out, stderr=err, env=engine_environment(spec, env), text=True)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -149,7 +149,8 @@ def start_engine(spec: dict, env: dict | None = None, timeout_s: float = TIMEOUT
         return subprocess.CompletedProcess(args, proc.returncode, out.read(), err.read())
 
 
-def _environment(spec: dict, env: dict | None) -> dict:
+def engine_environment(spec: dict, env: dict | None) -> dict:
+    """The environment an engine of `spec` starts with (a pool of engines keys by it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     env.setdefault(THREADS_BIND, pinned_threads(spec.get("tp", 1)))
     if spec.get("tp", 1) == 1:      # one process: starts in seconds, not a minute
@@ -169,7 +170,7 @@ class Engine:
         self._stderr = tempfile.TemporaryFile()
         self.proc = launch.popen([sys.executable, "-m", __name__, json.dumps(spec)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                 env=_environment(spec, env), start_new_session=True)
+                                 env=engine_environment(spec, env), start_new_session=True)
         self._answers: queue.Queue = queue.Queue()     # parsed result lines; None at EOF
         threading.Thread(target=self._read, daemon=True).start()
         atexit.register(self.close)
