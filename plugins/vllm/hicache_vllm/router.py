@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -121,13 +122,6 @@ class Router:
             raise RouteFailed(f"indexer {self.indexer} did not answer a query: {exc}") from None
         return {int(k): v for k, v in found.items()}
 
-    def scores(self, tokens: list[int]) -> list[float | None]:
-        """Each member's credit minus the work it has in flight; None for one that is down."""
-        return self._net(self.credits(tokens))
-
-    def _net(self, credits: list[float | None]) -> list[float | None]:
-        return [None if c is None else c - q for c, q in zip(credits, self.queued)]
-
     def credits(self, tokens: list[int]) -> list[float | None]:
         """Each member's overlap credit in blocks; None for one that is down."""
         found = self.overlap(tokens)
@@ -146,16 +140,15 @@ class Router:
         return out
 
     def route(self, tokens: list[int], exclude: frozenset[int] = frozenset()) -> Ticket:
-        """The best-scored member that is up (ties: fewest sent, then first), its work counted in
-        flight until `done`."""
+        """The member that is up with the most credit less its work in flight (ties: fewest sent,
+        then first), this request's work counted in flight there until `done`."""
         credits = self.credits(tokens)
         with self.lock:
-            scores = self._net(credits)
-            live = [i for i, s in enumerate(scores) if s is not None and i not in exclude]
+            live = [i for i, c in enumerate(credits) if c is not None and i not in exclude]
             if not live:
                 raise RouteFailed("no server of the fleet is up")
-            best = max(live, key=lambda i: (scores[i], -self.sent[i], -i))
-            ticket = Ticket(best, max(0.0, -(-len(tokens) // self.block) - credits[best]) + self.load_blocks)
+            best = max(live, key=lambda i: (credits[i] - self.queued[i], -self.sent[i], -i))
+            ticket = Ticket(best, max(0.0, math.ceil(len(tokens) / self.block) - credits[best]) + self.load_blocks)
             self.sent[best] += 1
             self.queued[best] += ticket.blocks
             return ticket

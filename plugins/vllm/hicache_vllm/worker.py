@@ -263,6 +263,10 @@ class WorkerSide:
                 else:       # a save dropped here: nothing of ours to store, nothing read
                     self.acks.ended(job.job, 0)
 
+    def _unlanded(self) -> set[int]:
+        """Slots this worker saves into whose copies have not landed."""
+        return {slot for c in self._landing for slot in c.saved}
+
     def _landed(self, c: PlanCopies) -> bool:
         late = self.settings.late_copies and c.step >= self._step
         return not late and all(e.query() for e in (c.load, c.save) if e is not None)
@@ -336,14 +340,14 @@ class WorkerSide:
         write_back = self.jobs.store is not None and self.settings.write_policy == "write_back"
         self._step = math.inf       # no later plan comes: every copy may land now
         if write_back:              # the landed pages first: a save that never lands must not starve them
-            self.jobs.write_back({slot for c in self._landing for slot in c.saved})
+            self.jobs.write_back(self._unlanded())
         self._drain(self.settings.flush_timeout)
         unlanded = sum(len(c.saved) for c in self._landing)
         if unlanded:
             log.warning("hicache shutdown: saves not landed after flush_timeout; their pages are not in L3",
                         pages=unlanded, flush_timeout=self.settings.flush_timeout)
         if write_back:              # and those that landed meanwhile
-            self.jobs.write_back({slot for c in self._landing for slot in c.saved})
+            self.jobs.write_back(self._unlanded())
         self.jobs.flush(max(0.0, deadline - time.monotonic()))
         self._stack.close()
         self.copies.close()

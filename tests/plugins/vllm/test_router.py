@@ -34,10 +34,10 @@ def test_credit_is_by_tier_beyond_the_better_tiers_with_the_shared_pool_credited
     found = {1: {"gpu": 8, "cpu": 12, "disk": 12}, 2: {"gpu": 0, "cpu": 0, "disk": 12}, POOL: {"disk": 20}}
     router = _router(found)
     # server 2's own L3 is the shared pool: its 3 blocks there count as the pool's, 0.5 each
-    assert router.scores([]) == [2 * 1.0 + 0.75 + 2 * 0.5, 3 * 0.5 + 2 * 0.5]
+    assert router.credits([]) == [2 * 1.0 + 0.75 + 2 * 0.5, 3 * 0.5 + 2 * 0.5]
     private = _router(found)
     private.shared_pool = False
-    assert private.scores([]) == [2 * 1.0 + 0.75, 3 * 0.25]
+    assert private.credits([]) == [2 * 1.0 + 0.75, 3 * 0.25]
     assert router.route([]).server == 0 and router.sent == [1, 0]
 
 
@@ -56,7 +56,7 @@ def test_load_is_the_work_in_flight_so_a_session_leaves_a_busy_server_and_comes_
 def test_a_server_that_is_down_is_never_picked():
     router = _router({1: {"gpu": 40, "cpu": 40, "disk": 40}})
     router.members[0].up = False
-    assert router.scores([])[0] is None and router.route([]).server == 1
+    assert router.credits([])[0] is None and router.route([]).server == 1
 
 
 def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outlives_a_server(tmp_path):
@@ -91,7 +91,7 @@ def test_the_shared_pool_is_the_union_of_every_servers_l3_announcements_and_outl
             assert found[1]["gpu"] == found[1]["disk"] == 8
             assert found.get(2, {}).get("disk", 0) == 0        # its chain starts on server 1's pages
             assert found[POOL]["disk"] == 16                    # the pool holds the whole chain
-            assert router.scores(tokens) == [2 * 1.0 + 2 * 0.5, 4 * 0.5]
+            assert router.credits(tokens) == [2 * 1.0 + 2 * 0.5, 4 * 0.5]
             router.down(0)
             found = router.overlap(tokens)
             assert 1 not in found and found[POOL]["disk"] == 16     # L3 outlives the server
